@@ -1,0 +1,15 @@
+//! The PyO3 module `kvcore._kvcore`: the only folder of the crate that mentions pyo3.
+//!
+//! Each wrapper type is named `PyX` here and exposed as `X` in Python. Calls are batched:
+//! ids and counts cross as NumPy arrays, never as per-block Python objects.
+
+use pyo3::prelude::*;
+
+pub(crate) mod errors;
+
+#[pymodule]
+fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    Ok(())
+}
