@@ -1,5 +1,6 @@
 """Type stubs for the Rust extension ``kvcore._kvcore`` (kept honest by ``mypy.stubtest``)."""
 
+__all__: list[str]
 __version__: str
 
 class KvCoreError(Exception):
