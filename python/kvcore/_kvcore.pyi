@@ -1,6 +1,19 @@
 """Type stubs for the Rust extension ``kvcore._kvcore`` (kept honest by ``mypy.stubtest``)."""
 
-__all__: list[str]
+# Every name the module exports (pyo3 builds __all__); keep in step with the binary.
+__all__ = [
+    "DoubleFreeError",
+    "DuplicateRequestError",
+    "InvalidArgumentError",
+    "InvalidBlockError",
+    "InvariantError",
+    "KvCoreError",
+    "StaleStepError",
+    "TooLongError",
+    "UnknownRequestError",
+    "__version__",
+]
+
 __version__: str
 
 class KvCoreError(Exception):
