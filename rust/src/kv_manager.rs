@@ -501,3 +501,7 @@ impl KvManager {
 #[cfg(test)]
 #[path = "kv_manager_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "kv_manager_props.rs"]
+mod props;
