@@ -147,9 +147,9 @@ impl Sim {
                 }
                 let ns = ns as u64;
                 let hit = self.m.match_prefix(ns, &tokens, tokens.len() - 1);
-                for p in 0..hit.num_tokens {
+                for (p, &t) in tokens[..hit.num_tokens].iter().enumerate() {
                     let s = hit.blocks()[p / self.bs] as usize * self.bs + p % self.bs;
-                    assert_eq!(self.kv[s], tokens[p], "hit block content at {p}");
+                    assert_eq!(self.kv[s], t, "hit block content at {p}");
                 }
                 let room = self.m.max_tokens().saturating_sub(hit.num_tokens);
                 let new = (chunk as usize)
