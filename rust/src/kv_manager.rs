@@ -457,6 +457,8 @@ impl KvManager {
             self.scratch.clear();
             let mut dropped = std::mem::take(&mut self.scratch);
             self.cache.evict(b, &mut dropped);
+            // Rare (see radix_cache): a canonical order keeps the free queue deterministic.
+            dropped.sort_unstable();
             for &x in &dropped {
                 self.pool.set_cached(x, false);
             }
