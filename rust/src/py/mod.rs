@@ -12,6 +12,7 @@ mod manager;
 #[pymodule]
 fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("DEBUG_BUILD", cfg!(debug_assertions))?;
     errors::register(m)?;
     m.add_class::<manager::PyKvCacheManager>()?;
     Ok(())
