@@ -49,6 +49,8 @@ struct Node {
     key: Vec<u32>,
     blocks: Vec<u32>,
     children: Vec<u32>,
+    /// First token of each child's key, beside `children`: scanned without touching children.
+    child_first: Vec<u32>,
 }
 
 /// A radix tree of cached blocks keyed by token ids, per namespace.
@@ -132,9 +134,15 @@ impl RadixCache {
         while t < limit {
             let rest = &tokens[t..limit];
             let (mut best, mut best_len) = (NO_NODE, 0usize);
-            for &c in &self.nodes[node as usize].children {
+            let nd = &self.nodes[node as usize];
+            for (&c, _) in nd
+                .children
+                .iter()
+                .zip(&nd.child_first)
+                .filter(|(_, &f)| f == rest[0])
+            {
                 let key = &self.nodes[c as usize].key;
-                if key[0] == rest[0] {
+                {
                     let l = common_prefix(key, rest);
                     // Ties (partial first blocks only) go to the lowest block id: deterministic.
                     let tie = l == best_len
@@ -192,11 +200,16 @@ impl RadixCache {
             }
             let upper = self.split(node, next_pos);
             let leaf = self.new_node(upper, ns, tokens.to_vec(), vec![b]);
-            self.nodes[upper as usize].children.push(leaf);
+            self.add_child(upper, leaf, tokens[0]);
             self.set_block(b, leaf, 0);
             return InsertOutcome::Inserted;
         }
-        for &c in &nd.children {
+        for (&c, _) in nd
+            .children
+            .iter()
+            .zip(&nd.child_first)
+            .filter(|(_, &f)| f == tokens[0])
+        {
             if &self.nodes[c as usize].key[..bs] == tokens {
                 return InsertOutcome::Existing(self.nodes[c as usize].blocks[0]);
             }
@@ -210,7 +223,7 @@ impl RadixCache {
             self.set_block(b, node, pos);
         } else {
             let leaf = self.new_node(node, ns, tokens.to_vec(), vec![b]);
-            self.nodes[node as usize].children.push(leaf);
+            self.add_child(node, leaf, tokens[0]);
             self.set_block(b, leaf, 0);
         }
         InsertOutcome::Inserted
@@ -225,8 +238,21 @@ impl RadixCache {
         }
         let pos = self.block_pos[b as usize] as usize;
         let bs = self.block_size;
-        // Normally b is the last block of a childless node; otherwise drop what hangs below.
-        let children = std::mem::take(&mut self.nodes[node as usize].children);
+        let nd = &mut self.nodes[node as usize];
+        if nd.children.is_empty() && pos + 1 == nd.blocks.len() {
+            // The usual case: trim the last block of a leaf, no allocation.
+            nd.blocks.pop();
+            nd.key.truncate(pos * bs);
+            self.block_node[b as usize] = NO_NODE;
+            self.num_cached -= 1;
+            if pos == 0 {
+                self.remove_empty(node);
+            }
+            return;
+        }
+        // An inner block: drop everything cached below it too.
+        nd.child_first.clear();
+        let children = std::mem::take(&mut nd.children);
         if !children.is_empty() || pos + 1 < self.nodes[node as usize].blocks.len() {
             self.inner_evictions += 1;
         }
@@ -279,8 +305,14 @@ impl RadixCache {
                 }
             }
             count_blocks += nd.blocks.len();
+            if nd.child_first.len() != nd.children.len() {
+                return bad(format!("node {n}: child_first out of step"));
+            }
             for (j, &c) in nd.children.iter().enumerate() {
                 let cn = &self.nodes[c as usize];
+                if cn.key.first() != Some(&nd.child_first[j]) {
+                    return bad(format!("node {n}: stale first token of child {c}"));
+                }
                 if cn.parent != n || cn.ns != nd.ns {
                     return bad(format!(
                         "child {c} of {n} has parent {} / wrong ns",
@@ -319,6 +351,7 @@ impl RadixCache {
             key,
             blocks,
             children: Vec::new(),
+            child_first: Vec::new(),
         };
         if let Some(i) = self.free_nodes.pop() {
             self.nodes[i as usize] = nd;
@@ -327,6 +360,12 @@ impl RadixCache {
             self.nodes.push(nd);
             (self.nodes.len() - 1) as u32
         }
+    }
+
+    fn add_child(&mut self, parent: u32, child: u32, first: u32) {
+        let pn = &mut self.nodes[parent as usize];
+        pn.children.push(child);
+        pn.child_first.push(first);
     }
 
     fn set_block(&mut self, b: u32, node: u32, pos: usize) {
@@ -346,7 +385,8 @@ impl RadixCache {
         let upper_key: Vec<u32> = nd.key.drain(..at * bs).collect();
         let upper_blocks: Vec<u32> = nd.blocks.drain(..at).collect();
         let upper = self.new_node(parent, ns, upper_key, upper_blocks);
-        self.nodes[upper as usize].children.push(node);
+        let first = self.nodes[node as usize].key[0];
+        self.add_child(upper, node, first);
         self.nodes[node as usize].parent = upper;
         for slot in self.nodes[parent as usize].children.iter_mut() {
             if *slot == node {
@@ -387,9 +427,10 @@ impl RadixCache {
         }
         self.nodes[node as usize] = Node::default();
         self.free_nodes.push(node);
-        let siblings = &mut self.nodes[parent as usize].children;
-        if let Some(i) = siblings.iter().position(|&c| c == node) {
-            siblings.swap_remove(i);
+        let pn = &mut self.nodes[parent as usize];
+        if let Some(i) = pn.children.iter().position(|&c| c == node) {
+            pn.children.swap_remove(i);
+            pn.child_first.swap_remove(i);
         }
         let pn = &self.nodes[parent as usize];
         if pn.parent == NO_NODE && pn.children.is_empty() {
