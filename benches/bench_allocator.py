@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -22,28 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvcore  # noqa: E402
 import workloads  # noqa: E402
-
-
-class PyFreeList:
-    """The peer: the simplest Python paged allocator (deque free list, dict of tables)."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.free_blocks = deque(range(1, num_blocks))
-        self.tables: dict[int, list[int]] = {}
-        self.bs = block_size
-
-    def admit(self, ids: list[int], nums: list[int]) -> int:
-        for i, (rid, n) in enumerate(zip(ids, nums, strict=True)):
-            k = -(-n // self.bs)
-            if k > len(self.free_blocks):
-                return i
-            pop = self.free_blocks.popleft
-            self.tables[rid] = [pop() for _ in range(k)]
-        return len(ids)
-
-    def free(self, ids: list[int]) -> None:
-        for rid in ids:
-            self.free_blocks.extendleft(reversed(self.tables.pop(rid)))
+from py_peers import PyFreeList  # noqa: E402
 
 
 def run_kvcore(rounds, args, mode: str, rng: np.random.Generator) -> dict[str, float]:
@@ -128,16 +106,24 @@ def main() -> None:
     p.add_argument("--pool-blocks", type=int, default=65_536)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--modes", default="off,radix,hash", help="comma list of off,radix,hash")
+    p.add_argument("--repeat", type=int, default=3, help="runs per mode; the fastest is reported")
     args = p.parse_args()
     if kvcore._kvcore.DEBUG_BUILD:
         sys.exit("refusing to benchmark a debug build: pip install -e . (release profile)")
     rounds = list(workloads.churn(args.seed, args.num_ops, args.pool_blocks, args.block_size))
     print(f"ops: {sum(len(r.free) + len(r.alloc) for r in rounds)} count")
-    peer = run_peer(rounds, args)
+    peer = min((run_peer(rounds, args) for _ in range(args.repeat)), key=lambda r: r["ns"])
     peer_ns = peer["ns"] / peer["blocks"]
     print(f"peer_python_freelist_ns_per_block: {peer_ns:.2f} ns")
     for mode in args.modes.split(","):
-        res = run_kvcore(rounds, args, mode, np.random.default_rng(args.seed + 1))
+        # Best of --repeat runs: other processes share the cores; the fastest is the cleanest.
+        res = min(
+            (
+                run_kvcore(rounds, args, mode, np.random.default_rng(args.seed + 1))
+                for _ in range(args.repeat)
+            ),
+            key=lambda r: r["ns"],
+        )
         ns = res["ns"] / res["blocks"]
         suffix = "" if mode == "off" else f"_{mode}"
         print(f"ns_per_block{suffix}: {ns:.2f} ns")
