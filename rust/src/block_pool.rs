@@ -5,40 +5,50 @@
 //! copy ops) or *in the free queue* (`ref_count == 0`). A block may also be *cached*: the
 //! prefix cache names it, so a prefix hit can revive it while it sits in the free queue.
 //!
-//! The free queue is one doubly linked list threaded through `prev`/`next` index arrays
-//! (no `unsafe`, no allocation after `new`), with slot 0 (the null block) as its sentinel:
+//! The free queue has two parts, taken in this order:
 //!
 //! ```text
-//!   sentinel(0) <-> [uncached free blocks ...] <-> [cached, unreferenced blocks ...] <-> sentinel
-//!    head: taken first                             least recently released ... most recently
+//!   [uncached free blocks: a stack, top first] ++ [cached unreferenced blocks: LRU list]
+//!    next allocated ...                            least recently released ... most recently
 //! ```
 //!
-//! Eviction order (what `allocate` takes, head first):
+//! Eviction order (what `allocate` takes, first to last):
 //! 1. free blocks that hold nothing cached, most recently freed first (LIFO keeps them warm);
 //! 2. then cached blocks nobody references, least recently released first (LRU). A request
 //!    releases its blocks last-to-first, so within one release the deepest block of a prefix
 //!    goes first and a prefix is evicted from its leaves towards its root.
 //!
-//! Taking a cached block out of the queue either revives it (`incref` after a prefix hit, O(1)
-//! removal from the middle) or evicts it (`allocate` returns `evicted = true` and the caller
-//! drops it from the prefix cache).
+//! The uncached part is a plain `Vec` stack (contiguous, the hot path of churn without a
+//! prefix cache). The LRU part is a doubly linked list threaded through per-block `prev`/`next`
+//! indices (no `unsafe`, no allocation after `new`) with slot 0 as its sentinel, so a prefix hit
+//! revives a cached block from the middle in O(1); taking its head evicts it (`allocate`
+//! returns `evicted = true` and the caller drops it from the prefix cache).
 //!
-//! Costs: `allocate`, `incref`, `decref`, `set_cached` are O(1). `check_invariants` is O(n).
-//! Idea from vLLM's `FreeKVCacheBlockQueue` (doubly linked free list doubling as the LRU).
+//! Costs: `allocate`, `incref`, `decref` are O(1); `set_cached` is O(1) except for marking a
+//! *free* block cached (O(free blocks); callers only cache referenced blocks).
+//! `check_invariants` is O(n). Idea from vLLM's `FreeKVCacheBlockQueue` (a free list that
+//! doubles as the LRU), split in two so the uncached blocks never pay for the links.
 
 use crate::error::{KvError, KvResult};
 
 /// Block id 0: reserved, pads block tables, never allocated.
 pub const NULL_BLOCK: u32 = 0;
 
+/// Per-block state, one 16-byte record so an operation touches one cache line per block.
+#[derive(Debug, Clone, Copy, Default)]
+struct BlockMeta {
+    prev: u32,
+    next: u32,
+    ref_count: u32,
+    cached: bool,
+}
+
 /// Ref counts plus the free queue of a fixed set of blocks.
 #[derive(Debug, Clone)]
 pub struct BlockPool {
-    ref_count: Vec<u32>,
-    cached: Vec<bool>,
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    num_free: u32,
+    meta: Vec<BlockMeta>,
+    /// Uncached free blocks; the last element is taken first.
+    free_stack: Vec<u32>,
     num_free_cached: u32,
 }
 
@@ -51,30 +61,22 @@ impl BlockPool {
             )));
         }
         let n = num_blocks as usize;
-        let mut pool = BlockPool {
-            ref_count: vec![0; n],
-            cached: vec![false; n],
-            prev: vec![NULL_BLOCK; n],
-            next: vec![NULL_BLOCK; n],
-            num_free: 0,
+        // Ascending ids from the top: the first allocations get blocks 1, 2, 3, ...
+        Ok(BlockPool {
+            meta: vec![BlockMeta::default(); n],
+            free_stack: (1..num_blocks).rev().collect(),
             num_free_cached: 0,
-        };
-        // Ascending ids from the head: the first allocations get blocks 1, 2, 3, ...
-        for b in 1..num_blocks {
-            pool.link_before(NULL_BLOCK, b);
-        }
-        pool.num_free = num_blocks - 1;
-        Ok(pool)
+        })
     }
 
     /// Number of blocks, the null block included.
     pub fn num_blocks(&self) -> u32 {
-        self.ref_count.len() as u32
+        self.meta.len() as u32
     }
 
     /// Blocks `allocate` can hand out now: free ones plus evictable cached ones.
     pub fn num_free(&self) -> u32 {
-        self.num_free
+        self.free_stack.len() as u32 + self.num_free_cached
     }
 
     /// Cached blocks nobody references (the evictable part of the free queue).
@@ -84,144 +86,146 @@ impl BlockPool {
 
     /// Ref count of block `b` (panics if out of range: callers validate ids first).
     pub fn ref_count(&self, b: u32) -> u32 {
-        self.ref_count[b as usize]
+        self.meta[b as usize].ref_count
     }
 
     /// Whether block `b` is named by the prefix cache.
     pub fn is_cached(&self, b: u32) -> bool {
-        self.cached[b as usize]
+        self.meta[b as usize].cached
     }
 
     /// True if `b` is a real block id of this pool (not null, not out of range).
     pub fn is_valid(&self, b: u32) -> bool {
-        b != NULL_BLOCK && (b as usize) < self.ref_count.len()
+        b != NULL_BLOCK && (b as usize) < self.meta.len()
     }
 
-    /// Takes the head of the free queue with ref count 1. `None` if the queue is empty.
+    /// Takes the first block of the free queue with ref count 1. `None` if the queue is empty.
     /// Returns `(block, evicted)`: `evicted` is true when the block was cached; it is now
     /// uncached and the caller must drop it from the prefix cache.
     pub fn allocate(&mut self) -> Option<(u32, bool)> {
-        let b = self.next[NULL_BLOCK as usize];
+        if let Some(b) = self.free_stack.pop() {
+            self.meta[b as usize].ref_count = 1;
+            return Some((b, false));
+        }
+        let b = self.meta[NULL_BLOCK as usize].next;
         if b == NULL_BLOCK {
             return None;
         }
         self.unlink(b);
-        self.num_free -= 1;
-        let evicted = self.cached[b as usize];
-        if evicted {
-            self.cached[b as usize] = false;
-            self.num_free_cached -= 1;
-        }
-        self.ref_count[b as usize] = 1;
-        Some((b, evicted))
+        self.num_free_cached -= 1;
+        let m = &mut self.meta[b as usize];
+        m.cached = false;
+        m.ref_count = 1;
+        Some((b, true))
     }
 
-    /// Adds a reference to `b`; a block in the free queue (a cached one) is revived.
+    /// Adds a reference to `b`; a cached block in the free queue is revived.
     pub fn incref(&mut self, b: u32) {
         let i = b as usize;
-        if self.ref_count[i] == 0 {
-            debug_assert!(self.cached[i], "reviving an uncached free block {b}");
-            self.unlink(b);
-            self.num_free -= 1;
-            if self.cached[i] {
+        if self.meta[i].ref_count == 0 {
+            if self.meta[i].cached {
+                self.unlink(b);
                 self.num_free_cached -= 1;
+            } else {
+                // Not a path the manager takes (it only revives cached blocks); kept correct.
+                self.remove_from_stack(b);
             }
         }
-        self.ref_count[i] += 1;
+        self.meta[i].ref_count += 1;
     }
 
     /// Drops a reference to `b`. At zero it joins the free queue: cached blocks at the tail
-    /// (most recently used end of the LRU), uncached ones at the head.
+    /// of the LRU (most recently used), uncached ones on top of the stack.
     pub fn decref(&mut self, b: u32) {
-        let i = b as usize;
-        debug_assert!(self.ref_count[i] > 0, "decref of free block {b}");
-        self.ref_count[i] -= 1;
-        if self.ref_count[i] == 0 {
-            self.num_free += 1;
-            if self.cached[i] {
+        let m = &mut self.meta[b as usize];
+        debug_assert!(m.ref_count > 0, "decref of free block {b}");
+        m.ref_count -= 1;
+        if m.ref_count == 0 {
+            if m.cached {
                 self.num_free_cached += 1;
                 self.link_before(NULL_BLOCK, b);
             } else {
-                let head = self.next[NULL_BLOCK as usize];
-                self.link_before(head, b);
+                self.free_stack.push(b);
             }
         }
     }
 
-    /// Marks `b` cached or not. An unreferenced block moves to the matching end of the queue.
+    /// Marks `b` cached or not. An unreferenced block moves to the matching part of the queue.
     pub fn set_cached(&mut self, b: u32, cached: bool) {
         let i = b as usize;
-        if self.cached[i] == cached {
+        if self.meta[i].cached == cached {
             return;
         }
-        self.cached[i] = cached;
-        if self.ref_count[i] == 0 {
-            self.unlink(b);
+        self.meta[i].cached = cached;
+        if self.meta[i].ref_count == 0 {
             if cached {
+                self.remove_from_stack(b);
                 self.num_free_cached += 1;
                 self.link_before(NULL_BLOCK, b);
             } else {
+                self.unlink(b);
                 self.num_free_cached -= 1;
-                let head = self.next[NULL_BLOCK as usize];
-                self.link_before(head, b);
+                self.free_stack.push(b);
             }
         }
     }
 
-    /// The free queue from head to tail (tests and debugging; O(n)).
+    /// The free queue in allocation order (tests and debugging; O(n)).
     pub fn free_queue(&self) -> Vec<u32> {
-        let mut out = Vec::with_capacity(self.num_free as usize);
-        let mut b = self.next[NULL_BLOCK as usize];
-        while b != NULL_BLOCK && out.len() <= self.ref_count.len() {
+        let mut out: Vec<u32> = self.free_stack.iter().rev().copied().collect();
+        let mut b = self.meta[NULL_BLOCK as usize].next;
+        while b != NULL_BLOCK && out.len() <= self.meta.len() {
             out.push(b);
-            b = self.next[b as usize];
+            b = self.meta[b as usize].next;
         }
         out
     }
 
-    /// Verifies the queue links, the counters, and that exactly the unreferenced blocks are
-    /// queued with the uncached ones ahead of the cached ones.
+    /// Verifies the links, the counters, and that exactly the unreferenced blocks are queued:
+    /// the uncached ones on the stack, the cached ones in the LRU list.
     pub fn check_invariants(&self) -> KvResult<()> {
         let bad = |m: String| Err(KvError::Invariant(format!("block pool: {m}")));
-        if self.ref_count[NULL_BLOCK as usize] != 0 || self.cached[NULL_BLOCK as usize] {
+        let null = &self.meta[NULL_BLOCK as usize];
+        if null.ref_count != 0 || null.cached {
             return bad("the null block is referenced or cached".into());
         }
-        let queue = self.free_queue();
-        if queue.len() != self.num_free as usize {
-            return bad(format!(
-                "queue length {} != num_free {}",
-                queue.len(),
-                self.num_free
-            ));
-        }
-        let mut seen = vec![false; self.ref_count.len()];
-        let mut prev = NULL_BLOCK;
-        let mut in_cached_part = false;
-        let mut num_cached = 0;
-        for &b in &queue {
-            let i = b as usize;
-            if b == NULL_BLOCK || seen[i] {
-                return bad(format!("block {b} queued twice or null"));
+        let mut seen = vec![false; self.meta.len()];
+        for &b in &self.free_stack {
+            let m = self.meta.get(b as usize);
+            if b == NULL_BLOCK || m.is_none() || seen[b as usize] {
+                return bad(format!("block {b} stacked twice, null or out of range"));
             }
-            seen[i] = true;
-            if self.prev[i] != prev {
-                return bad(format!("broken prev link at block {b}"));
-            }
-            if self.ref_count[i] != 0 {
+            seen[b as usize] = true;
+            let m = m.expect("checked");
+            if m.ref_count != 0 || m.cached {
                 return bad(format!(
-                    "queued block {b} has ref count {}",
-                    self.ref_count[i]
+                    "stacked block {b}: ref count {}, cached {}",
+                    m.ref_count, m.cached
                 ));
             }
-            if self.cached[i] {
-                in_cached_part = true;
-                num_cached += 1;
-            } else if in_cached_part {
-                return bad(format!("uncached block {b} behind cached blocks"));
-            }
-            prev = b;
         }
-        if self.prev[NULL_BLOCK as usize] != prev {
+        let (mut prev, mut b, mut num_cached) = (NULL_BLOCK, null.next, 0u32);
+        while b != NULL_BLOCK {
+            let i = b as usize;
+            if i >= self.meta.len() || seen[i] {
+                return bad(format!("block {b} listed twice or out of range"));
+            }
+            seen[i] = true;
+            let m = &self.meta[i];
+            if m.prev != prev {
+                return bad(format!("broken prev link at block {b}"));
+            }
+            if m.ref_count != 0 || !m.cached {
+                return bad(format!(
+                    "LRU block {b}: ref count {}, cached {}",
+                    m.ref_count, m.cached
+                ));
+            }
+            num_cached += 1;
+            prev = b;
+            b = m.next;
+        }
+        if null.prev != prev {
             return bad("broken tail link".into());
         }
         if num_cached != self.num_free_cached {
@@ -230,28 +234,34 @@ impl BlockPool {
                 self.num_free_cached
             ));
         }
-        for (b, (&queued, &rc)) in seen.iter().zip(&self.ref_count).enumerate().skip(1) {
-            if !queued && rc == 0 {
+        for (b, (&queued, m)) in seen.iter().zip(&self.meta).enumerate().skip(1) {
+            if !queued && m.ref_count == 0 {
                 return bad(format!("block {b} has ref count 0 but is not queued"));
             }
         }
         Ok(())
     }
 
-    /// Inserts `b` just before `at` (before the sentinel = at the tail).
-    fn link_before(&mut self, at: u32, b: u32) {
-        let p = self.prev[at as usize];
-        self.prev[b as usize] = p;
-        self.next[b as usize] = at;
-        self.next[p as usize] = b;
-        self.prev[at as usize] = b;
+    fn remove_from_stack(&mut self, b: u32) {
+        if let Some(pos) = self.free_stack.iter().rposition(|&x| x == b) {
+            self.free_stack.remove(pos);
+        }
     }
 
-    /// Removes `b` from the queue in O(1).
+    /// Inserts `b` into the LRU list just before `at` (before the sentinel = at the tail).
+    fn link_before(&mut self, at: u32, b: u32) {
+        let p = self.meta[at as usize].prev;
+        self.meta[b as usize].prev = p;
+        self.meta[b as usize].next = at;
+        self.meta[p as usize].next = b;
+        self.meta[at as usize].prev = b;
+    }
+
+    /// Removes `b` from the LRU list in O(1).
     fn unlink(&mut self, b: u32) {
-        let (p, n) = (self.prev[b as usize], self.next[b as usize]);
-        self.next[p as usize] = n;
-        self.prev[n as usize] = p;
+        let (p, n) = (self.meta[b as usize].prev, self.meta[b as usize].next);
+        self.meta[p as usize].next = n;
+        self.meta[n as usize].prev = p;
     }
 }
 
