@@ -217,7 +217,8 @@ impl KvManager {
     /// `hit.num_tokens + num_new_tokens` tokens, leaving at least `watermark_blocks` free.
     /// `Ok(false)`: not enough blocks, nothing changed. Err (duplicate id, empty or over-long
     /// request, a hit not from `match_prefix(ns, tokens)` or made stale by an eviction since):
-    /// nothing changed.
+    /// nothing changed. `PrefixHit::default()` (no hit) is valid in any namespace; call
+    /// `match_prefix` right before `admit` so no other admission evicts the hit in between.
     pub fn admit(
         &mut self,
         req: u64,
@@ -244,7 +245,7 @@ impl KvManager {
             )));
         }
         if hit.num_tokens > tokens.len()
-            || hit.ns != ns
+            || (hit.ns != ns && hit.num_tokens > 0)
             || hit.blocks.len() != blocks_for(hit.num_tokens, bs)
         {
             return Err(KvError::InvalidArgument(format!(

@@ -183,6 +183,7 @@ fn out_of_blocks_and_watermark_change_nothing() {
     assert!(m.allocate_slots(2, 10).unwrap());
     assert_eq!(m.block_table(2).unwrap(), &[3, 4, 5, 2, 1]);
     assert_eq!(m.stats().evictions, 2);
+    assert!(m.admit(9, 5, &[], &PrefixHit::default(), 1, 0).is_ok());
     let mut small = mgr(4, 2, PrefixMode::Off);
     assert!(small.admit(1, 0, &[], &PrefixHit::default(), 4, 0).unwrap());
     assert!(small.admit(2, 0, &[], &PrefixHit::default(), 2, 0).unwrap());
@@ -257,7 +258,7 @@ fn bad_input_changes_nothing() {
     admit_prompt(&mut m, 1, 0, &a);
     m.cache_computed(1, &a[..8]).unwrap();
     let hit = m.match_prefix(0, &a, 9);
-    let other = m.match_prefix(5, &a, 9);
+    assert_eq!(m.match_prefix(5, &a, 9).num_tokens, 0);
     let before = format!("{m:?}");
     let same = |m: &KvManager| assert_eq!(format!("{m:?}"), before);
     assert_eq!(
@@ -278,7 +279,7 @@ fn bad_input_changes_nothing() {
         Err(KvError::InvalidArgument(_))
     ));
     assert!(matches!(
-        m.admit(2, 0, &a, &other, 2, 0),
+        m.admit(2, 5, &a, &hit, 2, 0),
         Err(KvError::InvalidArgument(_))
     ));
     same(&m);
