@@ -177,3 +177,52 @@ impl HashCache {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chained_hashes_match_whole_blocks_per_namespace() {
+        let mut c = HashCache::new(8, 2);
+        assert_eq!(
+            c.insert_block(0, NULL_BLOCK, &[1, 2], 1),
+            InsertOutcome::Inserted
+        );
+        assert_eq!(c.insert_block(0, 1, &[3, 4], 2), InsertOutcome::Inserted);
+        assert_eq!(
+            c.insert_block(0, NULL_BLOCK, &[1, 2], 5),
+            InsertOutcome::Existing(1)
+        );
+        assert_eq!(
+            c.insert_block(0, 7, &[1, 2], 6),
+            InsertOutcome::ParentNotCached
+        );
+        let mut out = Vec::new();
+        assert_eq!(c.match_prefix(0, &[1, 2, 3, 4, 5], 5, &mut out), 4);
+        assert_eq!(out, vec![1, 2]);
+        out.clear();
+        assert_eq!(c.match_prefix(0, &[1, 2, 3], 3, &mut out), 2);
+        assert_eq!(c.match_prefix(1, &[1, 2, 3, 4], 4, &mut Vec::new()), 0);
+        // Same tokens after a different parent: a different hash.
+        assert_eq!(c.match_prefix(0, &[3, 4], 2, &mut Vec::new()), 0);
+        c.evict(1);
+        assert_eq!(c.match_prefix(0, &[1, 2, 3, 4], 4, &mut Vec::new()), 0);
+        assert_eq!(c.num_cached(), 1);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn word_stores_hash_the_same_bytes_as_token_stores() {
+        let mut scratch = Vec::new();
+        for tokens in [&[7u32, 8, 9][..], &[1, 2, 3, 4], &[]] {
+            let mut bytes = Vec::new();
+            bytes.extend_from_slice(&5u128.to_le_bytes());
+            bytes.extend_from_slice(&9u64.to_le_bytes());
+            for t in tokens {
+                bytes.extend_from_slice(&t.to_le_bytes());
+            }
+            assert_eq!(block_hash(5, 9, tokens, &mut scratch), xxh3_128(&bytes));
+        }
+    }
+}

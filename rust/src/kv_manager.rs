@@ -490,10 +490,13 @@ impl KvManager {
             let b = t.blocks[i];
             if !self.pool.is_cached(b) {
                 let parent = if i == 0 { NULL_BLOCK } else { t.blocks[i - 1] };
-                match self
-                    .cache
-                    .insert_block(t.ns, parent, &tokens[i * bs..(i + 1) * bs], b)
-                {
+                match self.cache.insert_block(
+                    t.ns,
+                    parent,
+                    &tokens[i * bs..(i + 1) * bs],
+                    b,
+                    n_full - i - 1,
+                ) {
                     InsertOutcome::Inserted => self.pool.set_cached(b, true),
                     InsertOutcome::Existing(c) if self.pool.ref_count(b) == 1 => {
                         // Switch to the cached twin; our copy goes back to the free queue.

@@ -89,11 +89,19 @@ impl PrefixCache {
         }
     }
 
-    /// Offers block `b` holding `tokens` as the child of cached block `parent` (or the root).
-    pub fn insert_block(&mut self, ns: u64, parent: u32, tokens: &[u32], b: u32) -> InsertOutcome {
+    /// Offers block `b` holding `tokens` as the child of cached block `parent` (or the root);
+    /// `following` blocks will be offered next (a capacity hint).
+    pub fn insert_block(
+        &mut self,
+        ns: u64,
+        parent: u32,
+        tokens: &[u32],
+        b: u32,
+        following: usize,
+    ) -> InsertOutcome {
         match self {
             PrefixCache::Off => InsertOutcome::ParentNotCached,
-            PrefixCache::Radix(c) => c.insert_block(ns, parent, tokens, b),
+            PrefixCache::Radix(c) => c.insert_block(ns, parent, tokens, b, following),
             PrefixCache::Hash(c) => c.insert_block(ns, parent, tokens, b),
         }
     }
