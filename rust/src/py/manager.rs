@@ -348,9 +348,11 @@ impl PyKvCacheManager {
     fn block_table<'py>(
         &self,
         py: Python<'py>,
-        req_id: u64,
+        req_id: i64,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let t = self.inner.block_table(req_id)?;
+        let req = u64::try_from(req_id)
+            .map_err(|_| invalid(format!("request ids are non-negative, got {req_id}")))?;
+        let t = self.inner.block_table(req)?;
         Ok(PyArray1::from_vec(
             py,
             t.iter().map(|&b| b as i32).collect(),
@@ -362,7 +364,7 @@ impl PyKvCacheManager {
         &self,
         py: Python<'py>,
         req_ids: &Bound<'py, PyAny>,
-        width: Option<usize>,
+        width: Option<i64>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let reqs = ids(req_ids, "req_ids")?;
         self.check_live(&reqs)?;
@@ -371,10 +373,21 @@ impl PyKvCacheManager {
             .map(|&r| self.inner.block_table(r).map(|t| t.len()).unwrap_or(0))
             .max()
             .unwrap_or(0);
-        let w = width.unwrap_or(longest);
+        let w = match width {
+            None => longest,
+            Some(w) => usize::try_from(w)
+                .map_err(|_| invalid(format!("width must be non-negative, got {w}")))?,
+        };
         if w < longest {
             return Err(invalid(format!(
                 "width {w} is narrower than the longest table ({longest} blocks)"
+            )));
+        }
+        // No table can hold more than every block of the pool: a wider request is a mistake.
+        if w > self.inner.num_blocks() as usize {
+            return Err(invalid(format!(
+                "width {w} exceeds the pool ({} blocks)",
+                self.inner.num_blocks()
             )));
         }
         let mut out = vec![0i32; reqs.len() * w];
