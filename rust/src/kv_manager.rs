@@ -8,7 +8,7 @@
 //! hold it plus the pending copy ops that read it; a block is cached in the pool iff the prefix
 //! cache names it; free + referenced = all non-null blocks; each table's shape is consistent.
 //!
-//! Copy-on-write: writing into a partial last block that is shared (ref count > 1) or cached
+//! Copy-on-write: writing into a partial last block that another table holds, or that is cached
 //! (a token-granularity prefix hit ending inside a block) first takes a fresh block and records
 //! a `(src, dst)` copy op. The op keeps a reference on `src` until `drain_copy_ops`, so `src`
 //! cannot be reused as another op's destination before the copies are applied.
@@ -316,8 +316,10 @@ impl KvManager {
             return Ok(true);
         }
         let cow = t.has_partial_last(bs) && {
+            // Pending copy ops only read `last` before the next forward: they don't share it.
             let last = *t.blocks.last().expect("partial table has a last block");
-            self.pool.ref_count(last) > 1 || self.pool.is_cached(last)
+            let pins = self.copy_ops.iter().filter(|op| op[0] == last).count() as u32;
+            self.pool.ref_count(last) - pins > 1 || self.pool.is_cached(last)
         };
         let num_fresh = blocks_for(num_total_tokens, bs) - t.blocks.len() + cow as usize;
         if num_fresh > self.pool.num_free() as usize {
@@ -499,3 +501,7 @@ impl KvManager {
 #[cfg(test)]
 #[path = "kv_manager_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "kv_manager_props.rs"]
+mod props;

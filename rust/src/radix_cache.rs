@@ -59,6 +59,7 @@ pub struct RadixCache {
     block_node: Vec<u32>,
     block_pos: Vec<u32>,
     num_cached: usize,
+    inner_evictions: u64,
 }
 
 /// Length of the common prefix of `a` and `b`, comparing whole chunks first.
@@ -86,6 +87,7 @@ impl RadixCache {
             block_node: vec![NO_NODE; num_blocks as usize],
             block_pos: vec![0; num_blocks as usize],
             num_cached: 0,
+            inner_evictions: 0,
         }
     }
 
@@ -97,6 +99,12 @@ impl RadixCache {
     /// Whether block `b` is cached here.
     pub fn contains(&self, b: u32) -> bool {
         self.block_node[b as usize] != NO_NODE
+    }
+
+    /// Evictions that hit a block with cached blocks below it (leaf-first release keeps
+    /// this at 0; the subtree is dropped if it happens).
+    pub fn inner_evictions(&self) -> u64 {
+        self.inner_evictions
     }
 
     /// Number of live tree nodes (roots included).
@@ -215,6 +223,9 @@ impl RadixCache {
         let bs = self.block_size;
         // Normally b is the last block of a childless node; otherwise drop what hangs below.
         let children = std::mem::take(&mut self.nodes[node as usize].children);
+        if !children.is_empty() || pos + 1 < self.nodes[node as usize].blocks.len() {
+            self.inner_evictions += 1;
+        }
         for c in children {
             self.drop_subtree(c, also_dropped);
         }

@@ -5,11 +5,14 @@
 
 use pyo3::prelude::*;
 
+pub(crate) mod arrays;
 pub(crate) mod errors;
+mod manager;
 
 #[pymodule]
 fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
+    m.add_class::<manager::PyKvCacheManager>()?;
     Ok(())
 }
