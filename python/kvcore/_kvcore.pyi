@@ -8,6 +8,7 @@ from numpy.typing import NDArray
 
 # Every name the module exports (pyo3 builds __all__); keep in step with the binary.
 __all__ = [
+    "BUILD_PROFILE",
     "DoubleFreeError",
     "DuplicateRequestError",
     "InvalidArgumentError",
@@ -26,6 +27,8 @@ __all__ = [
 ]
 
 __version__: str
+# "release" or "debug" (debug assertions on): benchmarks refuse "debug".
+BUILD_PROFILE: str
 
 class KvCoreError(Exception):
     """Base class of every kvcore error."""
