@@ -155,7 +155,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20, help="extra steps after settling")
     ap.add_argument("--prefix-mode", default="radix", choices=("radix", "hash", "off"))
     args = ap.parse_args()
-    if getattr(_kvcore, "BUILD_PROFILE", "debug") != "release":
+    if getattr(_kvcore, "DEBUG_BUILD", True):
         raise SystemExit("refusing to benchmark a debug build of kvcore._kvcore")
 
     py = run_python(args)

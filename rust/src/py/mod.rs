@@ -13,13 +13,7 @@ mod scheduler;
 #[pymodule]
 fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    // Benchmarks refuse anything but "release".
-    let profile = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
-    m.add("BUILD_PROFILE", profile)?;
+    m.add("DEBUG_BUILD", cfg!(debug_assertions))?;
     errors::register(m)?;
     m.add_class::<manager::PyKvCacheManager>()?;
     scheduler::register(m)?;
