@@ -8,7 +8,9 @@ use pyo3::prelude::*;
 pub(crate) mod arrays;
 pub(crate) mod errors;
 mod manager;
+mod sched_args;
 mod scheduler;
+mod step_output;
 
 #[pymodule]
 fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {
