@@ -16,6 +16,8 @@ pub mod hash_cache;
 pub mod kv_manager;
 pub mod prefix_cache;
 pub mod radix_cache;
+pub mod request;
+pub mod sched;
 
 #[cfg(feature = "python")]
 mod py;
@@ -24,3 +26,5 @@ pub use block_pool::NULL_BLOCK;
 pub use error::{KvError, KvResult};
 pub use kv_manager::{CacheStats, KvManager, KvManagerConfig, PrefixHit};
 pub use prefix_cache::PrefixMode;
+pub use request::{FinishReason, FinishedSeq, NewRequest};
+pub use sched::{Policy, Scheduler, SchedulerConfig, SchedulerStats, StepPlan};

@@ -73,7 +73,9 @@ impl From<KvError> for PyErr {
             KvError::DuplicateRequest(_) => DuplicateRequestError::new_err(msg),
             KvError::InvalidBlock(_) => InvalidBlockError::new_err(msg),
             KvError::DoubleFree(_) => DoubleFreeError::new_err(msg),
-            KvError::StaleStep { .. } => StaleStepError::new_err(msg),
+            KvError::StaleStep { .. } | KvError::NoStepOutstanding { .. } => {
+                StaleStepError::new_err(msg)
+            }
             KvError::TooLong(_) => TooLongError::new_err(msg),
             KvError::Invariant(_) => InvariantError::new_err(msg),
         }

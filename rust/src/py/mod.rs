@@ -8,6 +8,9 @@ use pyo3::prelude::*;
 pub(crate) mod arrays;
 pub(crate) mod errors;
 mod manager;
+mod sched_args;
+mod scheduler;
+mod step_output;
 
 #[pymodule]
 fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -15,5 +18,6 @@ fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEBUG_BUILD", cfg!(debug_assertions))?;
     errors::register(m)?;
     m.add_class::<manager::PyKvCacheManager>()?;
+    scheduler::register(m)?;
     Ok(())
 }
