@@ -34,7 +34,7 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MAX_QUERIES_PER_KV = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sliding_window", "num_splits", "num_tokens"])
 def _paged_attention_kernel(
     query_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
     kv_cache_ptr,  # [num_blocks, 2, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
@@ -44,13 +44,14 @@ def _paged_attention_kernel(
     tile_req_ptr,  # [num_tiles] int32: request of each query tile
     tile_start_ptr,  # [num_tiles] int32: first query of the tile, counted within its request
     alibi_slopes_ptr,  # [num_q_heads] fp32 (read only if USE_ALIBI)
-    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM] (written if NUM_SPLITS == 1)
-    part_acc_ptr,  # [NUM_SPLITS, num_tokens, num_q_heads, HEAD_DIM] fp32 (if NUM_SPLITS > 1)
-    part_max_ptr,  # [NUM_SPLITS, num_tokens, num_q_heads] fp32, log2 units
-    part_sum_ptr,  # [NUM_SPLITS, num_tokens, num_q_heads] fp32
+    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM] (written unless SPLIT_KV)
+    part_acc_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_DIM] fp32 (if SPLIT_KV)
+    part_max_ptr,  # [num_splits, num_tokens, num_q_heads] fp32, log2 units
+    part_sum_ptr,  # [num_splits, num_tokens, num_q_heads] fp32
     qk_scale,  # scale * log2(e)
     soft_cap,  # soft_cap * log2(e) (read only if USE_SOFTCAP)
     sliding_window,  # NO_WINDOW when off
+    num_splits,  # grid axis 2; a runtime value, so split counts share one compiled kernel
     num_tokens,
     num_q_heads,
     stride_query_tok,
@@ -68,7 +69,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KV: tl.constexpr,  # num_splits > 1: write partials for _merge_splits_kernel
     USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
@@ -106,7 +107,7 @@ def _paged_attention_kernel(
     k_end = ctx + last_q + 1
     k_start = tl.maximum(ctx + q_first - sliding_window + 1, 0)
     num_kv_tiles = tl.cdiv(k_end - k_start, BLOCK_N)
-    per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
+    per_split = tl.cdiv(num_kv_tiles, num_splits)
     t_begin = split * per_split
     t_end = tl.minimum(t_begin + per_split, num_kv_tiles)
 
@@ -139,7 +140,7 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0 only on padding rows
         tl.store(
             out_ptr
@@ -156,7 +157,7 @@ def _paged_attention_kernel(
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
     part_acc_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_DIM] fp32
@@ -303,7 +304,8 @@ def paged_attention_triton(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        NUM_SPLITS=splits,
+        num_splits=splits,
+        SPLIT_KV=splits > 1,
         USE_SOFTCAP=soft_cap is not None,
         USE_ALIBI=alibi_slopes is not None,
         COMPUTE_DTYPE=compute_dtype(query.dtype, _paged_attention_kernel),
