@@ -152,11 +152,14 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="cuda: a smaller sweep")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="cuda: tiny shapes on the CPU (TRITON_INTERPRET=1)"
+    )
     args = parser.parse_args()
     if args.device == "cuda":
         from bench_attention_cuda import sweep
 
-        sweep(quick=args.quick)
+        sweep(quick=args.quick, dry_run=args.dry_run)
     else:
         bench_cpu(args)
 

@@ -207,6 +207,19 @@ def _tiles(meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.T
     return meta.cache[key]
 
 
+def _block_shape(decode_only: bool, group: int, row_bytes: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): query rows and keys per tile, smaller for wide rows (fp32, 256).
+
+    Decode tiles hold one token's query heads (padded to the 16 rows ``tl.dot`` needs);
+    mixed and prefill steps pack several tokens per tile.
+    """
+    narrow = row_bytes <= 256  # bf16/fp16 with head_dim <= 128
+    block_n = 64 if narrow else (32 if row_bytes <= 512 else 16)
+    if decode_only:
+        return max(16, triton.next_power_of_2(group)), block_n
+    return (128 if narrow else (64 if row_bytes <= 512 else 32)), block_n
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: small, so that tests reach the split path
@@ -253,10 +266,7 @@ def paged_attention_triton(
         out = torch.empty_like(query)
     if meta.num_tokens == 0:
         return out
-    decode_only = meta.max_q_len == 1
-    wide = d > 128 or query.dtype == torch.float32
-    block_m = max(16, triton.next_power_of_2(group)) if decode_only else (64 if wide else 128)
-    block_n = 32 if wide else 64
+    block_m, block_n = _block_shape(meta.max_q_len == 1, group, d * query.element_size())
     block_q = block_m // group
     tile_req, tile_start = _tiles(meta, block_q)
     num_tiles = tile_req.shape[0]
@@ -310,7 +320,8 @@ def paged_attention_triton(
         USE_ALIBI=alibi_slopes is not None,
         COMPUTE_DTYPE=compute_dtype(query.dtype, _paged_attention_kernel),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4 if decode_only else 8,
+        num_warps=4 if block_m <= 16 else 8,
+        num_stages=2,
     )
     if splits > 1:
         _merge_splits_kernel[(meta.num_tokens, hq)](
