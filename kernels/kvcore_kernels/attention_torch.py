@@ -41,6 +41,8 @@ class TwinChunk:
     out_index: torch.Tensor  # int64 [num_rows] destination token of each real query row
     src_rows: torch.Tensor | None  # int64 [num_rows] its padded row; None when all rows are real
     pad_rows: torch.Tensor | None  # int64 [P] gathered key rows past seq_len (zeroed)
+    q_range: tuple[int, int] | None  # the query rows are packed tokens lo..hi-1 (no gather)
+    out_range: tuple[int, int] | None  # the real rows go to packed tokens lo..hi-1 (no scatter)
     q_pos: torch.Tensor  # int64 [num_reqs, q_max] position of each query row
     k_pos: torch.Tensor  # int64 [num_reqs, key_len] position of each gathered key
     window: int | None
@@ -121,16 +123,19 @@ def build_chunks(
             mask = mask[:, None].to(device)
         pad = np.flatnonzero(k_pos >= lens[rs, None])
         rows = np.flatnonzero(q_real)
-        q_index = qsl[rs, None] + np.minimum(np.arange(q_max), q_lens[rs, None] - 1)
+        q_index = (qsl[rs, None] + np.minimum(np.arange(q_max), q_lens[rs, None] - 1)).reshape(-1)
+        out_index = (qsl[rs, None] + np.arange(q_max)).reshape(-1)[rows]
         chunks.append(
             TwinChunk(
                 num_reqs=n,
                 q_max=q_max,
                 num_blocks=nb,
                 blocks=dev(blocks.reshape(-1)),
-                q_index=dev(q_index.reshape(-1)),
-                out_index=dev((qsl[rs, None] + np.arange(q_max)).reshape(-1)[rows]),
+                q_index=dev(q_index),
+                out_index=dev(out_index),
                 src_rows=None if len(rows) == n * q_max else dev(rows),
+                q_range=_as_range(q_index),
+                out_range=_as_range(out_index) if len(rows) == n * q_max else None,
                 pad_rows=dev(pad) if len(pad) else None,
                 q_pos=dev(q_pos),
                 k_pos=dev(k_pos),
@@ -140,6 +145,14 @@ def build_chunks(
             )
         )
     return chunks
+
+
+def _as_range(index: np.ndarray) -> tuple[int, int] | None:
+    """(lo, hi) if ``index`` is lo, lo+1, ..., hi-1: a slice then replaces gather / scatter."""
+    lo = int(index[0])
+    if np.array_equal(index, np.arange(lo, lo + len(index))):
+        return lo, lo + len(index)
+    return None
 
 
 def _attend_explicit(
@@ -217,7 +230,10 @@ def paged_attention_torch(
             k.view(n * key_len, hk * d).index_fill_(0, c.pad_rows, 0)
             v.view(n * key_len, hk * d).index_fill_(0, c.pad_rows, 0)
         k, v = k.view(n, key_len, hk, d), v.view(n, key_len, hk, d)
-        q = query.index_select(0, c.q_index).view(n, c.q_max, hq, d)
+        if c.q_range is not None:
+            q = query[c.q_range[0] : c.q_range[1]].view(n, c.q_max, hq, d)
+        else:
+            q = query.index_select(0, c.q_index).view(n, c.q_max, hq, d)
         if explicit:
             o = _attend_explicit(q, k, v, c, scale, soft_cap, alibi_slopes)
         else:
@@ -231,6 +247,9 @@ def paged_attention_torch(
                 enable_gqa=hq != hk,
             ).transpose(1, 2)  # [n, q_max, Hq, D]
         rows = o.reshape(n * c.q_max, hq, d)
+        if c.out_range is not None:
+            out[c.out_range[0] : c.out_range[1]] = rows
+            continue
         if c.src_rows is not None:
             rows = rows.index_select(0, c.src_rows)
         out.index_copy_(0, c.out_index, rows)
