@@ -30,7 +30,7 @@ LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # sliding_window=None: every key is within the window
 MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in merging than it gains
 MAX_SPLITS = 64
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 MAX_QUERIES_PER_KV = 16
 
 

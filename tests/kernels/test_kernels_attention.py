@@ -204,10 +204,11 @@ ALWAYS = [
         head_dim=256,
         block_size=128,
     ),
+    dict(case="mixed", dtype=torch.float32, features={"sliding_window": 4}, head_dim=32),
 ]
 
 
-@pytest.mark.parametrize("params", ALWAYS, ids=lambda p: f"{p['case']}-{p['dtype']}")
+@pytest.mark.parametrize("params", ALWAYS, ids=lambda p: f"{p['case']}-{p['dtype']}-{len(p)}")
 def test_triton_interpreter_subset(gen, params):
     needs_interpreter()
     params = dict(params)
