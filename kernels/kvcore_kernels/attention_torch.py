@@ -231,7 +231,7 @@ def paged_attention_torch(
             v.view(n * key_len, hk * d).index_fill_(0, c.pad_rows, 0)
         k, v = k.view(n, key_len, hk, d), v.view(n, key_len, hk, d)
         if c.q_range is not None:
-            q = query[c.q_range[0] : c.q_range[1]].view(n, c.q_max, hq, d)
+            q = query[c.q_range[0] : c.q_range[1]].unflatten(0, (n, c.q_max))  # a view
         else:
             q = query.index_select(0, c.q_index).view(n, c.q_max, hq, d)
         if explicit:

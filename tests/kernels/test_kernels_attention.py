@@ -136,6 +136,33 @@ def test_twin_explicit_path_slices_queries(gen, monkeypatch):
     check(gen, "torch", CASES["prefix_mid_block"], features=FEATURES["all"])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_twin_fresh_prefill_alone(gen, dtype):
+    """One prompt with nothing cached: SDPA's own causal mask, no mask tensor, no gather of q."""
+    check(gen, "torch", [(0, 45)], dtype=dtype, block_size=8)
+    check(gen, "torch", [(0, 45), (0, 3)], dtype=dtype, block_size=8)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 30])
+def test_twin_strided_query(gen, monkeypatch, chunk_bytes):
+    """A query view with a row stride (a slice of a fused QKV projection) is accepted."""
+    monkeypatch.setattr(attention_torch, "CHUNK_BYTES_PER_THREAD", chunk_bytes)
+    b = make_batch(
+        gen,
+        [(0, 30), (20, 1)],
+        block_size=8,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+    )
+    qkv = torch.randn(b.query.shape[0], 8, 64)
+    qkv[:, :4] = b.query
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 8)
+    out = kk.paged_attention(qkv[:, :4], b.kv_cache, meta, scale=0.1, backend="torch")
+    assert (out.double() - reference_attention(b, scale=0.1)).abs().max() < 2e-5
+
+
 def test_twin_long_decode(gen):
     check(gen, "torch", [(700, 1), (1030, 1), (5, 1)], num_q_heads=9, num_kv_heads=3)
 
