@@ -143,9 +143,11 @@ def test_twin_fresh_prefill_alone(gen, dtype):
     check(gen, "torch", [(0, 45), (0, 3)], dtype=dtype, block_size=8)
 
 
-@pytest.mark.parametrize("chunk_bytes", [1, 1 << 30])
-def test_twin_strided_query(gen, monkeypatch, chunk_bytes):
-    """A query view with a row stride (a slice of a fused QKV projection) is accepted."""
+@pytest.mark.parametrize("backend, chunk_bytes", [("torch", 1), ("torch", 1 << 30), ("triton", 1)])
+def test_strided_query_and_out(gen, monkeypatch, backend, chunk_bytes):
+    """Views with a row stride (slices of a fused QKV projection, of a wider output) work."""
+    if backend == "triton":
+        needs_interpreter()
     monkeypatch.setattr(attention_torch, "CHUNK_BYTES_PER_THREAD", chunk_bytes)
     b = make_batch(
         gen,
@@ -159,8 +161,10 @@ def test_twin_strided_query(gen, monkeypatch, chunk_bytes):
     qkv = torch.randn(b.query.shape[0], 8, 64)
     qkv[:, :4] = b.query
     meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 8)
-    out = kk.paged_attention(qkv[:, :4], b.kv_cache, meta, scale=0.1, backend="torch")
-    assert (out.double() - reference_attention(b, scale=0.1)).abs().max() < 2e-5
+    wide = torch.full_like(qkv, float("nan"))
+    kk.paged_attention(qkv[:, :4], b.kv_cache, meta, scale=0.1, out=wide[:, 4:], backend=backend)
+    assert (wide[:, 4:].double() - reference_attention(b, scale=0.1)).abs().max() < 2e-5
+    assert wide[:, :4].isnan().all()
 
 
 def test_twin_long_decode(gen):
