@@ -10,8 +10,9 @@ the query heads sharing one KV head, so each K/V tile is loaded once for the who
 Its keys are ``[k_start, k_end)`` (causal end of its last token, window start of its first),
 walked in ``BLOCK_N`` tiles through the block table with an online softmax in log2 units. With
 ``num_splits > 1`` (few tiles, long contexts: a decode batch of one still fills the GPU) split
-``s`` takes every ``num_splits``-th share of the key tiles and writes its unnormalised partial
-(acc, max, sum); ``_merge_splits_kernel`` combines them (Dao et al.'s flash-decoding).
+``s`` takes the ``s``-th of ``num_splits`` contiguous shares of the tile's key range and writes
+its unnormalised partial (acc, max, sum); ``_merge_splits_kernel`` combines them (the
+flash-decoding idea of Dao et al.).
 """
 
 from __future__ import annotations
@@ -226,12 +227,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
+def choose_num_splits(num_programs: int, max_keys: int, device: torch.device) -> int:
     """Split the key range when the grid alone would leave the GPU half idle."""
     target = 2 * _num_sms(device)
     if num_programs >= target:
         return 1
-    return max(1, min(-(-target // num_programs), max_seq_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(-(-target // num_programs), max_keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 def paged_attention_triton(
@@ -270,7 +271,12 @@ def paged_attention_triton(
     block_q = block_m // group
     tile_req, tile_start = _tiles(meta, block_q)
     num_tiles = tile_req.shape[0]
-    splits = choose_num_splits(num_tiles * hk, meta.max_seq_len, query.device)
+    keys = (
+        meta.max_seq_len
+        if sliding_window is None
+        else min(meta.max_seq_len, sliding_window + block_q)
+    )
+    splits = choose_num_splits(num_tiles * hk, keys, query.device)
     if splits > 1:
         part_acc = torch.empty(
             (splits, meta.num_tokens, hq, d), dtype=torch.float32, device=query.device
