@@ -121,6 +121,8 @@ def check_once(pool: torch.Tensor, gen) -> float:
 def sweep(quick: bool = False, dry_run: bool = False) -> None:
     """Print the decode/prefill table. ``dry_run``: tiny shapes on the CPU (TRITON_INTERPRET=1),
     to check this script end to end without a GPU; its numbers mean nothing."""
+    if not dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here (--dry-run checks this script on the CPU)")
     dev = torch.device("cpu" if dry_run else "cuda")
     gen = torch.Generator().manual_seed(0)
     batches = [1, 32, 256] if quick else [1, 4, 16, 32, 64, 128, 256]
