@@ -167,6 +167,29 @@ def test_strided_query_and_out(gen, monkeypatch, backend, chunk_bytes):
     assert wide[:, :4].isnan().all()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_strided_cache_view(gen, backend):
+    """A cache that is a view (here every other head_dim half of a wider tensor) works."""
+    if backend == "triton":
+        needs_interpreter()
+    b = make_batch(
+        gen,
+        CASES["mixed"],
+        block_size=8,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+    )
+    wide = torch.full((*b.kv_cache.shape[:-1], 128), float("nan"))
+    wide[..., 32:96] = b.kv_cache
+    view = wide[..., 32:96]
+    assert not view.is_contiguous()
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 8)
+    out = kk.paged_attention(b.query, view, meta, scale=0.1, backend=backend)
+    assert (out.double() - reference_attention(b, scale=0.1)).abs().max() < 2e-5
+
+
 def test_twin_long_decode(gen):
     check(gen, "torch", [(700, 1), (1030, 1), (5, 1)], num_q_heads=9, num_kv_heads=3)
 
