@@ -109,8 +109,10 @@ def check_once(pool: torch.Tensor, gen) -> float:
     need = (lens + BS - 1) // BS
     table = torch.zeros(len(reqs), int(need.max()), dtype=torch.int32)
     ids = torch.randperm(pool.shape[0] - 1, generator=gen) + 1
+    start = 0
     for r, n in enumerate(need.tolist()):
-        table[r, :n] = ids[r * 1000 : r * 1000 + n].to(torch.int32)
+        table[r, :n] = ids[start : start + n].to(torch.int32)
+        start += n
     meta = kk.plan_attention(qsl, lens, table, BS, device=dev)
     q = torch.randn(int(qsl[-1]), HQ, D, device=dev, dtype=DTYPE)
     a = kk.paged_attention(q, pool, meta, scale=D**-0.5, backend="triton")
