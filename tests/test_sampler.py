@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-
 from kvcore import InvalidArgumentError
 from kvcore.outputs import SamplingParams
 from kvcore.sampler import Sampler, mix_seed

