@@ -84,25 +84,30 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Continuous batching: token budget per step, running cap, chunked prefill, policy."""
+    """Continuous batching: token budget per step, running cap, prefill chunking, policy.
+
+    Prefill is always chunked to fit the step's token budget (decodes are scheduled first);
+    ``long_prefill_token_threshold`` further caps one request's prefill chunk per step.
+    """
 
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
-    max_num_seqs: int = 256  # running requests at most
-    chunked_prefill: bool = True  # split long prompts across steps within the budget
-    policy: str = "fcfs"  # fcfs | priority (lower value first; ties by arrival)
+    max_num_seqs: int = 256  # running sequences at most (the n samples of a request count n)
+    long_prefill_token_threshold: int = 0  # 0: only the budget caps a prefill chunk
+    policy: str = "fcfs"  # fcfs | priority (smaller value first; ties by arrival)
+    watermark: float = 0.01  # fraction of the blocks admission keeps free
 
     def __post_init__(self) -> None:
-        if not (_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1):
-            raise InvalidArgumentError(
-                f"max_num_batched_tokens must be an int >= 1: {self.max_num_batched_tokens!r}"
-            )
-        if not (_is_int(self.max_num_seqs) and self.max_num_seqs >= 1):
-            raise InvalidArgumentError(
-                f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}"
-            )
-        if not isinstance(self.chunked_prefill, bool):
-            raise InvalidArgumentError("chunked_prefill must be a bool")
+        for name, low in (
+            ("max_num_batched_tokens", 1),
+            ("max_num_seqs", 1),
+            ("long_prefill_token_threshold", 0),
+        ):
+            value = getattr(self, name)
+            if not (_is_int(value) and value >= low):
+                raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
         if self.policy not in POLICIES:
             raise InvalidArgumentError(
                 f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}"
             )
+        if not (isinstance(self.watermark, int | float) and 0 <= self.watermark < 1):
+            raise InvalidArgumentError(f"watermark must be in [0, 1), got {self.watermark!r}")
