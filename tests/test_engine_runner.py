@@ -29,7 +29,8 @@ def _ref_store(key, value, cache, slot_mapping, *, backend="auto"):
 
 
 def _ref_plan(query_start_loc, seq_lens, block_table, block_size, *, device=None):
-    return SimpleNamespace(qsl=query_start_loc, seq_lens=seq_lens, bt=block_table, bs=block_size)
+    qsl, lens, bt = (torch.as_tensor(x) for x in (query_start_loc, seq_lens, block_table))
+    return SimpleNamespace(qsl=qsl, seq_lens=lens, bt=bt, bs=block_size)
 
 
 def _ref_attention(query, cache, meta, *, scale, sliding_window=None, soft_cap=None, **_):

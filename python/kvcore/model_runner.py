@@ -97,10 +97,11 @@ class ModelRunner:
         input_ids = self._tensor(plan.input_ids, torch.int64)
         positions = self._tensor(plan.positions, torch.int64)
         slot_mapping = self._tensor(plan.slot_mapping, torch.int64)
+        # Host arrays: the plan checks and lays them out on the host, then copies once each.
         meta = kvcore_kernels.plan_attention(
-            self._tensor(plan.query_start_loc, torch.int32),
-            self._tensor(plan.seq_lens, torch.int32),
-            self._tensor(plan.block_table, torch.int32),
+            plan.query_start_loc,
+            plan.seq_lens,
+            plan.block_table,
             self.block_size,
             device=self.device,
         )
