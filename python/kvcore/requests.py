@@ -248,6 +248,10 @@ class EngineStats:
     sampled_tokens: int = 0
     last: dict[str, Any] = field(default_factory=dict)  # the scheduler's latest stats
 
+    def reset(self) -> None:
+        """Zero the counters (e.g. after a warm-up)."""
+        self.__init__(self.num_blocks, self.block_size)  # type: ignore[misc]
+
     def observe_plan(self, plan: Any, scheduler: Any) -> None:
         """Called after each schedule(): track KV usage and waste."""
         st = scheduler.stats()
