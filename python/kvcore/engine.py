@@ -21,7 +21,7 @@ from kvcore.errors import DuplicateRequestError, InvalidArgumentError, UnknownRe
 from kvcore.model_runner import ModelRunner, kv_bytes_per_block
 from kvcore.models import load_model
 from kvcore.outputs import RequestOutput, SamplingParams
-from kvcore.requests import EngineStats, Request, build_scheduler, to_new_request
+from kvcore.requests import EngineStats, Request, build_scheduler, submit
 from kvcore.sampler import Sampler
 
 PromptType = str | Sequence[int]
@@ -124,11 +124,15 @@ class LLMEngine:
             built.append((rid, text, tokens, p, prio))
         now = time.perf_counter()
         internal = [next(self._next_id) for _ in built]
-        news = [
-            to_new_request(i, tokens, p, prio, self.eos_token_ids)
-            for i, (_, _, tokens, p, prio) in zip(internal, built, strict=True)
-        ]
-        self.scheduler.add_requests(news)  # validates fit in the cache; raises before any change
+        # The scheduler checks each request fits in the cache; it raises before any change.
+        submit(
+            self.scheduler,
+            internal,
+            [b[2] for b in built],
+            [b[3] for b in built],
+            [b[4] for b in built],
+            self.eos_token_ids,
+        )
         for i, (rid, text, tokens, p, _) in zip(internal, built, strict=True):
             req = Request.create(
                 rid, i, text, tokens, p, now, self.sampler, self.tokenizer, stream=stream
@@ -177,7 +181,7 @@ class LLMEngine:
         if unknown:
             raise UnknownRequestError(f"unknown request id(s): {unknown}")
         internal = list(dict.fromkeys(self._ids[r] for r in ids))
-        self.scheduler.abort_requests(internal)
+        self.scheduler.abort_requests(np.asarray(internal, np.int64))
         now = time.perf_counter()
         outs = []
         for i in internal:
@@ -196,6 +200,10 @@ class LLMEngine:
         """Requests queued or running."""
         return len(self._requests)
 
+    def all_blocks_free(self) -> bool:
+        """True when every block is back in the pool (free or cached, none referenced)."""
+        return int(self.scheduler.stats().num_free_blocks) == self.runner.num_blocks - 1
+
     def step(self) -> list[RequestOutput]:
         """Run one step; returns outputs of finished requests and of streaming ones that grew."""
         start = time.perf_counter()
@@ -203,7 +211,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self.stats.observe_plan(plan, self.scheduler)
         if len(plan.input_ids) == 0:
-            self.scheduler.update(plan.step_id, np.zeros(0, np.uint32))
+            self.scheduler.update(plan.step_id, np.zeros(0, np.int64))
             return []
         reqs = self._requests
         for rid in plan.req_ids[plan.num_decode :].tolist():  # only prefill rows can be new
@@ -217,25 +225,23 @@ class LLMEngine:
         slots = np.fromiter((s.slot for s in rows), np.int64, len(rows))
         counts = np.fromiter((len(s.token_ids) for s in rows), np.int64, len(rows))
         out = self.sampler.sample(logits, slots, counts)
-        finished = self.scheduler.update(plan.step_id, out.token_ids.astype(np.uint32))
+        fin = self.scheduler.update(plan.step_id, out.token_ids)
         now = time.perf_counter()
         touched = Request.record(reqs, sample_rids, rows, out, now)
-        done_by_stop = [i for i in touched if reqs[i].all_finished()]
-        for f in finished:
-            req = reqs.get(f.req_id)
-            if req is not None:
-                req.finish_sample(f.sample_index, f.reason, f.output, now)
-        outputs = []
-        retired = {f.req_id for f in finished if f.request_done}
-        if done_by_stop:  # every sample ended on a stop string: the scheduler lets go of them
-            pending = [i for i in done_by_stop if i not in retired]
-            if pending:
-                self.scheduler.abort_requests(pending)
-            retired.update(done_by_stop)
-        for i in retired:
-            if i in reqs:
-                outputs.append(self._retire(i, now))
-        for i in touched:
+        done = set()  # requests the scheduler no longer holds
+        if fin.num_finished:
+            for rid, index, reason, tokens in fin.outputs():
+                reqs[rid].finish_sample(index, reason, tokens, now)
+            done.update(fin.req_ids[fin.request_done].tolist())
+            touched.extend(fin.req_ids.tolist())
+        # Requests whose every sample has ended, some on a stop string the scheduler cannot
+        # see: abort them there so their blocks come back now.
+        ended = [i for i in dict.fromkeys(touched) if i not in done and reqs[i].all_finished()]
+        if ended:
+            self.scheduler.abort_requests(np.asarray(ended, np.int64))
+            done.update(ended)
+        outputs = [self._retire(i, now) for i in done]
+        for i in dict.fromkeys(touched):
             req = reqs.get(i)
             if req is not None and req.stream:
                 outputs.append(req.output(finished=False))

@@ -41,21 +41,31 @@ def build_scheduler(
     )
 
 
-def to_new_request(
-    internal_id: int, tokens: list[int], p: SamplingParams, priority: int, eos_ids: list[int]
-) -> Any:
-    """The scheduler's description of a request (finish rules included)."""
-    stop_ids = list(p.stop_token_ids or [])
-    if not p.ignore_eos:  # extra EOS ids beyond the scheduler's one stop like stop tokens
-        stop_ids += [e for e in eos_ids[1:] if e not in stop_ids]
-    return _kvcore.NewRequest(
-        internal_id,
-        tokens,
-        p.max_tokens,
-        priority=priority,
-        n=p.n,
-        ignore_eos=p.ignore_eos,
-        stop_token_ids=stop_ids,
+def submit(
+    scheduler: Any,
+    internal_ids: list[int],
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    priorities: list[int],
+    eos_ids: list[int],
+) -> None:
+    """Add a batch of requests to the scheduler in one call (finish rules included)."""
+    stops = []
+    for p in params:
+        ids = list(p.stop_token_ids or [])
+        if not p.ignore_eos:  # EOS ids beyond the scheduler's one stop like stop tokens
+            ids += [e for e in eos_ids[1:] if e not in ids]
+        stops.append(ids)
+    scheduler.add_requests(
+        np.asarray(internal_ids, np.int64),
+        np.fromiter((t for pr in prompts for t in pr), np.int64),
+        np.cumsum([0] + [len(pr) for pr in prompts], dtype=np.int64),
+        np.asarray([p.max_tokens for p in params], np.int64),
+        priorities=np.asarray(priorities, np.int64),
+        n=np.asarray([p.n for p in params], np.int64),
+        ignore_eos=[p.ignore_eos for p in params],
+        stop_token_ids=np.fromiter((t for st in stops for t in st), np.int64),
+        stop_offsets=np.cumsum([0] + [len(st) for st in stops], dtype=np.int64),
     )
 
 
@@ -229,6 +239,18 @@ class Request:
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, outs, finished, self.metrics
         )
+
+
+_STAT_FIELDS = (
+    "num_running",
+    "num_waiting",
+    "kv_usage",
+    "num_free_blocks",
+    "prefix_query_tokens",
+    "prefix_hit_tokens",
+    "num_preemptions",
+    "num_computed_tokens",
+)
 
 
 @dataclass
