@@ -95,6 +95,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     # a half-written copy.
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
