@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-
 from kvcore import InvalidArgumentError
 from kvcore import models as kvmodels
 from kvcore.model_runner import kv_bytes_per_block, kv_geometry
