@@ -4,7 +4,14 @@ The bookkeeping (block pool, copy-on-write block tables, radix prefix cache, sch
 Rust extension ``kvcore._kvcore``; the tensors are torch; the kernels are ``kvcore_kernels``.
 """
 
-from kvcore._kvcore import __version__
+from kvcore._kvcore import (
+    KvCacheManager,
+    Scheduler,
+    SchedulerStats,
+    StepOutput,
+    StepPlan,
+    __version__,
+)
 from kvcore.errors import (
     DoubleFreeError,
     DuplicateRequestError,
@@ -19,6 +26,11 @@ from kvcore.errors import (
 
 __all__ = [
     "__version__",
+    "KvCacheManager",
+    "Scheduler",
+    "SchedulerStats",
+    "StepOutput",
+    "StepPlan",
     "KvCoreError",
     "InvalidArgumentError",
     "UnknownRequestError",

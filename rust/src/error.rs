@@ -21,6 +21,8 @@ pub enum KvError {
     DoubleFree(String),
     /// A step id that is not the one outstanding (stale or repeated `update`).
     StaleStep { expected: u64, got: u64 },
+    /// An `update` when no step is outstanding (already updated, or never scheduled).
+    NoStepOutstanding { got: u64 },
     /// An input longer than what the cache or the model can ever hold.
     TooLong(String),
     /// `check_invariants()` found corrupted state (a bug, reported rather than panicking).
@@ -40,6 +42,12 @@ impl fmt::Display for KvError {
             KvError::DoubleFree(m) => write!(f, "double free: {m}"),
             KvError::StaleStep { expected, got } => {
                 write!(f, "stale step id {got}: the outstanding step is {expected}")
+            }
+            KvError::NoStepOutstanding { got } => {
+                write!(
+                    f,
+                    "stale step id {got}: no step is outstanding (update already applied?)"
+                )
             }
             KvError::TooLong(m) => write!(f, "too long: {m}"),
             KvError::Invariant(m) => write!(f, "invariant violated: {m}"),

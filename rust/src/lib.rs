@@ -9,9 +9,22 @@
 //! operation. Misuse returns `Result<_, KvError>`; running out of blocks is an `Option`/`bool`
 //! outcome, not an error. A panic is a bug.
 
+pub mod block_pool;
+pub mod block_table;
 pub mod error;
+pub mod hash_cache;
+pub mod kv_manager;
+pub mod prefix_cache;
+pub mod radix_cache;
+pub mod request;
+pub mod sched;
 
 #[cfg(feature = "python")]
 mod py;
 
+pub use block_pool::NULL_BLOCK;
 pub use error::{KvError, KvResult};
+pub use kv_manager::{CacheStats, KvManager, KvManagerConfig, PrefixHit};
+pub use prefix_cache::PrefixMode;
+pub use request::{FinishReason, FinishedSeq, NewRequest};
+pub use sched::{Policy, Scheduler, SchedulerConfig, SchedulerStats, StepPlan};

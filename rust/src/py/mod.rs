@@ -5,11 +5,16 @@
 
 use pyo3::prelude::*;
 
+pub(crate) mod arrays;
 pub(crate) mod errors;
+mod manager;
+mod scheduler;
 
 #[pymodule]
 fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
+    m.add_class::<manager::PyKvCacheManager>()?;
+    scheduler::register(m)?;
     Ok(())
 }

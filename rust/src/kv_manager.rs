@@ -1,0 +1,507 @@
+//! The KV manager: block pool + per-request block tables + prefix cache, at request level.
+//!
+//! Callers (the scheduler, the Python bindings) own the tokens; the manager owns blocks. A
+//! request's life: `match_prefix` → `admit` (ref the hit, allocate the rest) → `allocate_slots`
+//! as it grows → `cache_computed` as its KV gets computed → `free`. `fork` shares a table.
+//!
+//! Invariants (`check_invariants`): every block's ref count equals the number of tables that
+//! hold it plus the pending copy ops that read it; a block is cached in the pool iff the prefix
+//! cache names it; free + referenced = all non-null blocks; each table's shape is consistent.
+//!
+//! Copy-on-write: writing into a partial last block that another table holds, or that is cached
+//! (a token-granularity prefix hit ending inside a block) first takes a fresh block and records
+//! a `(src, dst)` copy op. The op keeps a reference on `src` until `drain_copy_ops`, so `src`
+//! cannot be reused as another op's destination before the copies are applied.
+//!
+//! Duplicates: when `cache_computed` finds a block's tokens already cached under another block,
+//! the request switches to the cached block and frees its own (if no one else holds it), so a
+//! request holding a cached block always holds its cached ancestors, which keeps LRU eviction
+//! leaf-first.
+//!
+//! Errors change nothing: every call validates before it mutates. Running out of blocks is
+//! `Ok(false)`, also with nothing changed; blocks are evicted only by a call that succeeds.
+//! Costs: O(blocks touched) per call, plus the prefix cache's match/insert cost.
+
+use std::collections::HashMap;
+
+use crate::block_pool::{BlockPool, NULL_BLOCK};
+use crate::block_table::{blocks_for, BlockTable};
+use crate::error::{KvError, KvResult};
+use crate::prefix_cache::{PrefixCache, PrefixMode};
+use crate::radix_cache::InsertOutcome;
+
+/// Construction parameters of a [`KvManager`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvManagerConfig {
+    /// Blocks in the pool, the null block included (at least 2).
+    pub num_blocks: u32,
+    /// Tokens per block (at least 1).
+    pub block_size: u32,
+    /// Which prefix cache to run.
+    pub prefix_mode: PrefixMode,
+}
+
+/// A prefix-cache hit returned by `match_prefix`, consumed by `admit`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrefixHit {
+    /// Matched tokens (the caller skips computing them).
+    pub num_tokens: usize,
+    blocks: Vec<u32>,
+    ns: u64,
+    epoch: u64,
+}
+
+impl PrefixHit {
+    /// The cached blocks of the hit (the last one may be only partly matched).
+    pub fn blocks(&self) -> &[u32] {
+        &self.blocks
+    }
+}
+
+/// Prefix-cache and allocator counters since construction.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// `match_prefix` calls.
+    pub queries: u64,
+    /// Tokens offered to `match_prefix`.
+    pub query_tokens: u64,
+    /// Tokens matched by `match_prefix`.
+    pub hit_tokens: u64,
+    /// Cached blocks evicted to make room.
+    pub evictions: u64,
+    /// Blocks now cached.
+    pub cached_blocks: u64,
+    /// Copy-on-write copy ops recorded.
+    pub copy_ops: u64,
+    /// Duplicate blocks replaced by an already cached twin in `cache_computed`.
+    pub deduplicated_blocks: u64,
+}
+
+/// Request-level manager of a paged KV cache.
+#[derive(Debug, Clone)]
+pub struct KvManager {
+    block_size: u32,
+    pool: BlockPool,
+    cache: PrefixCache,
+    tables: HashMap<u64, BlockTable>,
+    copy_ops: Vec<[u32; 2]>,
+    stats: CacheStats,
+    /// Bumped on every eviction: a hit from an older epoch may name evicted blocks.
+    epoch: u64,
+    scratch: Vec<u32>,
+}
+
+impl KvManager {
+    /// A manager with an empty pool. Err for `block_size == 0` or `num_blocks < 2`.
+    pub fn new(cfg: KvManagerConfig) -> KvResult<Self> {
+        if cfg.block_size == 0 {
+            return Err(KvError::InvalidArgument(
+                "block_size must be at least 1".into(),
+            ));
+        }
+        let pool = BlockPool::new(cfg.num_blocks)?;
+        if (cfg.num_blocks as u64) * (cfg.block_size as u64) > u32::MAX as u64 + 1 {
+            return Err(KvError::InvalidArgument(format!(
+                "num_blocks * block_size = {} slots exceeds the 32-bit slot range",
+                cfg.num_blocks as u64 * cfg.block_size as u64
+            )));
+        }
+        Ok(KvManager {
+            block_size: cfg.block_size,
+            pool,
+            cache: PrefixCache::new(cfg.prefix_mode, cfg.num_blocks, cfg.block_size),
+            tables: HashMap::new(),
+            copy_ops: Vec::new(),
+            stats: CacheStats::default(),
+            epoch: 0,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Blocks in the pool, the null block included.
+    pub fn num_blocks(&self) -> u32 {
+        self.pool.num_blocks()
+    }
+
+    /// The prefix-cache mode.
+    pub fn prefix_mode(&self) -> PrefixMode {
+        self.cache.mode()
+    }
+
+    /// Blocks allocatable now: free ones plus evictable (cached, unreferenced) ones.
+    pub fn num_free_blocks(&self) -> u32 {
+        self.pool.num_free()
+    }
+
+    /// Fraction of the non-null blocks that are referenced.
+    pub fn usage(&self) -> f64 {
+        let n = self.pool.num_blocks() - 1;
+        (n - self.pool.num_free()) as f64 / n as f64
+    }
+
+    /// Number of live requests.
+    pub fn num_requests(&self) -> usize {
+        self.tables.len()
+    }
+
+    /// Whether `req` is live.
+    pub fn contains(&self, req: u64) -> bool {
+        self.tables.contains_key(&req)
+    }
+
+    /// Tokens covered by `req`'s table.
+    pub fn num_tokens(&self, req: u64) -> KvResult<usize> {
+        Ok(self.table(req)?.num_tokens)
+    }
+
+    /// Most tokens one request can ever hold: every non-null block.
+    pub fn max_tokens(&self) -> usize {
+        (self.pool.num_blocks() as usize - 1) * self.block_size as usize
+    }
+
+    /// Ref count of block `id` (Err for an id outside the pool).
+    pub fn ref_count(&self, id: u32) -> KvResult<u32> {
+        if id >= self.pool.num_blocks() {
+            return Err(KvError::InvalidBlock(format!(
+                "block {id} outside a pool of {}",
+                self.pool.num_blocks()
+            )));
+        }
+        Ok(self.pool.ref_count(id))
+    }
+
+    /// The chained hash of cached block `id` (hash mode; `None` otherwise or when uncached).
+    pub fn block_hash(&self, id: u32) -> Option<u128> {
+        if id >= self.pool.num_blocks() {
+            return None;
+        }
+        self.cache.block_hash(id)
+    }
+
+    /// The free queue, head (next allocated) first: tests and debugging, O(n).
+    pub fn free_queue(&self) -> Vec<u32> {
+        self.pool.free_queue()
+    }
+
+    /// Longest cached prefix of `tokens` in `ns`, capped at `max_tokens` (callers pass
+    /// `len - 1` so the last prompt token is always computed). Counts a query; no other effect.
+    pub fn match_prefix(&mut self, ns: u64, tokens: &[u32], max_tokens: usize) -> PrefixHit {
+        let mut blocks = Vec::new();
+        let n = self.cache.match_prefix(ns, tokens, max_tokens, &mut blocks);
+        self.stats.queries += 1;
+        self.stats.query_tokens += tokens.len() as u64;
+        self.stats.hit_tokens += n as u64;
+        PrefixHit {
+            num_tokens: n,
+            blocks,
+            ns,
+            epoch: self.epoch,
+        }
+    }
+
+    /// Admits `req`: refs the hit's blocks and allocates so its table covers
+    /// `hit.num_tokens + num_new_tokens` tokens, leaving at least `watermark_blocks` free.
+    /// `Ok(false)`: not enough blocks, nothing changed. Err (duplicate id, empty or over-long
+    /// request, a hit not from `match_prefix(ns, tokens)` or made stale by an eviction since):
+    /// nothing changed.
+    pub fn admit(
+        &mut self,
+        req: u64,
+        ns: u64,
+        tokens: &[u32],
+        hit: &PrefixHit,
+        num_new_tokens: usize,
+        watermark_blocks: u32,
+    ) -> KvResult<bool> {
+        if self.tables.contains_key(&req) {
+            return Err(KvError::DuplicateRequest(req));
+        }
+        let bs = self.block_size as usize;
+        let total = hit.num_tokens.saturating_add(num_new_tokens);
+        if total == 0 {
+            return Err(KvError::InvalidArgument(format!(
+                "request {req} admits 0 tokens"
+            )));
+        }
+        if total > self.max_tokens() {
+            return Err(KvError::TooLong(format!(
+                "request {req} needs {total} tokens; the pool holds at most {}",
+                self.max_tokens()
+            )));
+        }
+        if hit.num_tokens > tokens.len()
+            || hit.ns != ns
+            || hit.blocks.len() != blocks_for(hit.num_tokens, bs)
+        {
+            return Err(KvError::InvalidArgument(format!(
+                "request {req}: the prefix hit is not for these tokens"
+            )));
+        }
+        let fresh_hit;
+        let hit = if hit.epoch == self.epoch || hit.num_tokens == 0 {
+            hit
+        } else {
+            // Evictions since the match: re-match (no stats) and accept only an equal hit.
+            let mut blocks = Vec::new();
+            let n = self
+                .cache
+                .match_prefix(ns, tokens, hit.num_tokens, &mut blocks);
+            if n != hit.num_tokens {
+                return Err(KvError::InvalidArgument(format!(
+                    "request {req}: stale prefix hit ({} tokens, {n} still cached); match again",
+                    hit.num_tokens
+                )));
+            }
+            fresh_hit = PrefixHit {
+                num_tokens: n,
+                blocks,
+                ns,
+                epoch: self.epoch,
+            };
+            &fresh_hit
+        };
+        let k = hit.blocks.len();
+        let partial = hit.num_tokens % bs != 0;
+        let cow = partial && num_new_tokens > 0;
+        let kept = if cow { k - 1 } else { k };
+        let num_fresh = blocks_for(total, bs) - kept;
+        let revived = hit
+            .blocks
+            .iter()
+            .filter(|&&b| self.pool.ref_count(b) == 0)
+            .count();
+        let need = num_fresh as u64 + revived as u64 + watermark_blocks as u64;
+        if need > self.pool.num_free() as u64 {
+            return Ok(false);
+        }
+        let mut table = BlockTable::new(ns);
+        table.blocks.reserve(blocks_for(total, bs));
+        for &b in &hit.blocks {
+            self.pool.incref(b);
+        }
+        table.blocks.extend_from_slice(&hit.blocks[..kept]);
+        for _ in 0..num_fresh {
+            let b = self.allocate_block();
+            table.blocks.push(b);
+        }
+        if cow {
+            // The copy op holds the reference taken on the partly matched block above.
+            self.copy_ops.push([hit.blocks[k - 1], table.blocks[kept]]);
+            self.stats.copy_ops += 1;
+        }
+        table.num_tokens = total;
+        table.num_cached_blocks = hit.num_tokens / bs;
+        self.tables.insert(req, table);
+        Ok(true)
+    }
+
+    /// Grows `req`'s table to cover `num_total_tokens` tokens. A shared or cached partial last
+    /// block is copied first (copy-on-write). `Ok(false)`: short of blocks, nothing changed.
+    /// Covering fewer tokens than the table already does is a no-op.
+    pub fn allocate_slots(&mut self, req: u64, num_total_tokens: usize) -> KvResult<bool> {
+        let bs = self.block_size as usize;
+        let max = self.max_tokens();
+        let t = self.tables.get(&req).ok_or(KvError::UnknownRequest(req))?;
+        if num_total_tokens > max {
+            return Err(KvError::TooLong(format!(
+                "request {req} needs {num_total_tokens} tokens; the pool holds at most {max}"
+            )));
+        }
+        if num_total_tokens <= t.num_tokens {
+            return Ok(true);
+        }
+        let cow = t.has_partial_last(bs) && {
+            // Pending copy ops only read `last` before the next forward: they don't share it.
+            let last = *t.blocks.last().expect("partial table has a last block");
+            let pins = self.copy_ops.iter().filter(|op| op[0] == last).count() as u32;
+            self.pool.ref_count(last) - pins > 1 || self.pool.is_cached(last)
+        };
+        let num_fresh = blocks_for(num_total_tokens, bs) - t.blocks.len() + cow as usize;
+        if num_fresh > self.pool.num_free() as usize {
+            return Ok(false);
+        }
+        let mut fresh: Vec<u32> = (0..num_fresh).map(|_| self.allocate_block()).collect();
+        let t = self.tables.get_mut(&req).expect("checked above");
+        if cow {
+            let dst = fresh.remove(0);
+            let last = t.blocks.last_mut().expect("partial table has a last block");
+            // The table's reference on the old block moves to the copy op.
+            self.copy_ops.push([*last, dst]);
+            self.stats.copy_ops += 1;
+            *last = dst;
+        }
+        t.blocks.extend_from_slice(&fresh);
+        t.num_tokens = num_total_tokens;
+        Ok(true)
+    }
+
+    /// `tokens` are `req`'s first tokens, all computed: its full blocks among them become
+    /// cached. Err if `req` is unknown or `tokens` is longer than its table covers.
+    pub fn cache_computed(&mut self, req: u64, tokens: &[u32]) -> KvResult<()> {
+        let t = self.tables.get(&req).ok_or(KvError::UnknownRequest(req))?;
+        if tokens.len() > t.num_tokens {
+            return Err(KvError::InvalidArgument(format!(
+                "request {req}: {} computed tokens but its table covers {}",
+                tokens.len(),
+                t.num_tokens
+            )));
+        }
+        self.insert_computed(req, tokens);
+        Ok(())
+    }
+
+    /// Releases `req`: caches the full blocks of `tokens` (its computed tokens; may be empty),
+    /// then drops each block's reference, last block first. Err: unknown id or too many tokens.
+    pub fn free(&mut self, req: u64, tokens: &[u32]) -> KvResult<()> {
+        self.cache_computed(req, tokens)?;
+        let t = self.tables.remove(&req).expect("checked by cache_computed");
+        for &b in t.blocks.iter().rev() {
+            self.pool.decref(b);
+        }
+        Ok(())
+    }
+
+    /// `child` shares every block of `parent`. Err: unknown parent or live child.
+    pub fn fork(&mut self, parent: u64, child: u64) -> KvResult<()> {
+        if self.tables.contains_key(&child) {
+            return Err(KvError::DuplicateRequest(child));
+        }
+        let t = self.table(parent)?.clone();
+        for &b in &t.blocks {
+            self.pool.incref(b);
+        }
+        self.tables.insert(child, t);
+        Ok(())
+    }
+
+    /// `req`'s block table.
+    pub fn block_table(&self, req: u64) -> KvResult<&[u32]> {
+        Ok(&self.table(req)?.blocks)
+    }
+
+    /// Appends the pending `(src, dst)` copy ops to `out`, clears them and releases their
+    /// hold on `src`. Apply them before the next forward pass.
+    pub fn drain_copy_ops(&mut self, out: &mut Vec<[u32; 2]>) {
+        for op in self.copy_ops.drain(..) {
+            self.pool.decref(op[0]);
+            out.push(op);
+        }
+    }
+
+    /// Number of pending copy ops.
+    pub fn num_pending_copy_ops(&self) -> usize {
+        self.copy_ops.len()
+    }
+
+    /// Counters since construction.
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            cached_blocks: self.cache.num_cached() as u64,
+            ..self.stats
+        }
+    }
+
+    /// Verifies pool, cache and tables against each other (O(blocks + table entries)).
+    pub fn check_invariants(&self) -> KvResult<()> {
+        self.pool.check_invariants()?;
+        self.cache.check_invariants()?;
+        let n = self.pool.num_blocks();
+        let mut holders = vec![0u32; n as usize];
+        for (&req, t) in &self.tables {
+            t.check(self.block_size as usize, n)
+                .map_err(|e| KvError::Invariant(format!("request {req}: {e}")))?;
+            for &b in &t.blocks {
+                holders[b as usize] += 1;
+            }
+        }
+        for op in &self.copy_ops {
+            if !self.pool.is_valid(op[0]) || !self.pool.is_valid(op[1]) {
+                return Err(KvError::Invariant(format!(
+                    "copy op {op:?} names an invalid block"
+                )));
+            }
+            holders[op[0] as usize] += 1;
+        }
+        for b in 0..n {
+            if holders[b as usize] != self.pool.ref_count(b) {
+                return Err(KvError::Invariant(format!(
+                    "block {b}: ref count {} but {} holders",
+                    self.pool.ref_count(b),
+                    holders[b as usize]
+                )));
+            }
+            if self.pool.is_cached(b) != self.cache.contains(b) {
+                return Err(KvError::Invariant(format!(
+                    "block {b}: pool and prefix cache disagree on caching"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn table(&self, req: u64) -> KvResult<&BlockTable> {
+        self.tables.get(&req).ok_or(KvError::UnknownRequest(req))
+    }
+
+    /// Takes a block from the pool; the caller checked `num_free`. Evicts from the cache.
+    fn allocate_block(&mut self) -> u32 {
+        let (b, evicted) = self.pool.allocate().expect("caller checked num_free");
+        if evicted {
+            self.epoch += 1;
+            self.stats.evictions += 1;
+            self.scratch.clear();
+            let mut dropped = std::mem::take(&mut self.scratch);
+            self.cache.evict(b, &mut dropped);
+            for &x in &dropped {
+                self.pool.set_cached(x, false);
+            }
+            self.scratch = dropped;
+        }
+        b
+    }
+
+    /// Offers `req`'s not yet offered full blocks within `tokens` to the cache (validated).
+    fn insert_computed(&mut self, req: u64, tokens: &[u32]) {
+        if self.cache.mode() == PrefixMode::Off {
+            return;
+        }
+        let bs = self.block_size as usize;
+        let t = self.tables.get_mut(&req).expect("validated by the caller");
+        let n_full = tokens.len() / bs;
+        while t.num_cached_blocks < n_full {
+            let i = t.num_cached_blocks;
+            let b = t.blocks[i];
+            if !self.pool.is_cached(b) {
+                let parent = if i == 0 { NULL_BLOCK } else { t.blocks[i - 1] };
+                match self
+                    .cache
+                    .insert_block(t.ns, parent, &tokens[i * bs..(i + 1) * bs], b)
+                {
+                    InsertOutcome::Inserted => self.pool.set_cached(b, true),
+                    InsertOutcome::Existing(c) if self.pool.ref_count(b) == 1 => {
+                        // Switch to the cached twin; our copy goes back to the free queue.
+                        self.pool.incref(c);
+                        self.pool.decref(b);
+                        t.blocks[i] = c;
+                        self.stats.deduplicated_blocks += 1;
+                    }
+                    InsertOutcome::Existing(_) | InsertOutcome::ParentNotCached => break,
+                }
+            }
+            t.num_cached_blocks += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "kv_manager_tests.rs"]
+mod tests;
+
+#[cfg(test)]
+#[path = "kv_manager_props.rs"]
+mod props;
