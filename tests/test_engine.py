@@ -88,7 +88,7 @@ def test_prefix_hits_match_generate(model):
     llm = _llm(model, prefix_caching="radix")
     llm.generate(first, _greedy(6), use_tqdm=False)
     outs = llm.generate(second, _greedy(6), use_tqdm=False)
-    assert llm.engine.stats.last["prefix_hit_tokens"] >= 3 * 28  # 7 blocks of 4, per request
+    assert llm.engine.scheduler.stats().prefix_hit_tokens >= 3 * 28  # 7 blocks of 4, per request
     for o, p in zip(outs, second, strict=True):
         assert o.outputs[0].token_ids == _hf_greedy(model, p, 6)
     _check(llm)
@@ -99,7 +99,7 @@ def test_forced_preemption_matches_generate(model):
     # 24 usable blocks of 4 tokens: each request needs up to 12, so they cannot all run.
     llm = _llm(model, num_blocks=25, max_num_batched_tokens=64)
     outs = llm.generate(prompts, _greedy(24), use_tqdm=False)
-    assert llm.engine.stats.last["num_preemptions"] > 0
+    assert llm.engine.scheduler.stats().num_preemptions > 0
     for o, p in zip(outs, prompts, strict=True):
         assert o.outputs[0].token_ids == _hf_greedy(model, p, 24)
     _check(llm)

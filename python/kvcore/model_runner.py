@@ -24,7 +24,7 @@ import kvcore_kernels
 import numpy as np
 import torch
 
-from kvcore.attention import CTX_KWARG, AttentionContext, use_kvcore_attention
+from kvcore.attention import BACKEND_NAME, CTX_KWARG, AttentionContext, use_kvcore_attention
 from kvcore.errors import InvalidArgumentError
 
 
@@ -106,6 +106,8 @@ class ModelRunner:
             device=self.device,
         )
         ctx = AttentionContext(self.kv_caches, slot_mapping, meta, self.backend)
+        if self.model.config._attn_implementation != BACKEND_NAME:
+            use_kvcore_attention(self.model)  # someone switched it (e.g. a transformers peer run)
         keep = self._tensor(logits_indices, torch.int64)
         start = time.perf_counter()
         out = self.model(

@@ -73,7 +73,12 @@ def summarize(outputs: list[RequestOutput], wall_s: float, engine: Any | None = 
 def engine_figures(engine: Any, wall_s: float) -> dict[str, float]:
     """Cache and overhead figures of an LLMEngine after a run."""
     st = engine.stats
-    last = st.last
+    now = engine.scheduler.stats()
+    last = {
+        "prefix_query_tokens": now.prefix_query_tokens,
+        "prefix_hit_tokens": now.prefix_hit_tokens,
+        "num_preemptions": now.num_preemptions,
+    }
     queried = float(last.get("prefix_query_tokens", 0))
     hit = float(last.get("prefix_hit_tokens", 0))
     forward = st.forward_seconds

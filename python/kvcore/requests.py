@@ -277,14 +277,12 @@ class EngineStats:
     def observe_plan(self, plan: Any, scheduler: Any) -> None:
         """Called after each schedule(): track KV usage and waste."""
         st = scheduler.stats()
-        self.last = (
-            st if isinstance(st, dict) else dict(vars(st)) if hasattr(st, "__dict__") else {}
-        )
-        usage = float(self.last.get("kv_usage", 0.0))
+        self.last = {k: getattr(st, k) for k in _STAT_FIELDS}
+        usage = float(st.kv_usage)
         self.peak_kv_usage = max(self.peak_kv_usage, usage)
-        self.peak_running = max(self.peak_running, int(self.last.get("num_running", 0)))
+        self.peak_running = max(self.peak_running, int(st.num_running))
         used_slots = usage * (self.num_blocks - 1) * self.block_size
-        tokens = float(self.last.get("num_computed_tokens", 0)) + len(plan.input_ids)
+        tokens = float(st.num_computed_tokens)  # this step's in-flight tokens included
         if used_slots > 0:
             self.waste_sum += max(0.0, 1.0 - tokens / used_slots)
             self.waste_steps += 1
