@@ -60,9 +60,7 @@ def run_kvcore(model, wl, args) -> tuple[object, object]:
     summary = summarize(outputs, wall, engine)
     forward = engine.runner.forward_seconds - forward0
     summary.engine["engine_overhead_pct"] = 100.0 * (wall - forward) / wall
-    summary.engine["blocks_leaked"] = (
-        engine.scheduler.stats().num_free_blocks != engine.runner.num_blocks - 1
-    )
+    summary.engine["all_blocks_free"] = engine.all_blocks_free()
     return summary, outputs
 
 
