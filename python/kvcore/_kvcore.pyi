@@ -8,6 +8,7 @@ from numpy.typing import NDArray
 
 # Every name the module exports (pyo3 builds __all__); keep in step with the binary.
 __all__ = [
+    "DEBUG_BUILD",
     "DoubleFreeError",
     "DuplicateRequestError",
     "InvalidArgumentError",
@@ -26,6 +27,8 @@ __all__ = [
 ]
 
 __version__: str
+DEBUG_BUILD: bool
+"""True when the extension was built without optimizations (benchmarks refuse it)."""
 
 class KvCoreError(Exception):
     """Base class of every kvcore error."""

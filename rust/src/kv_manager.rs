@@ -30,6 +30,13 @@ use crate::error::{KvError, KvResult};
 use crate::prefix_cache::{PrefixCache, PrefixMode};
 use crate::radix_cache::InsertOutcome;
 
+/// Largest pool a manager accepts (2^26 blocks: ~1 billion tokens at block size 16, under
+/// 1 GiB of bookkeeping), so a bad argument cannot ask for an allocation that aborts.
+pub const MAX_BLOCKS: u32 = 1 << 26;
+
+/// Largest block size a manager accepts.
+pub const MAX_BLOCK_SIZE: u32 = 1 << 16;
+
 /// Construction parameters of a [`KvManager`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvManagerConfig {
@@ -92,20 +99,22 @@ pub struct KvManager {
 }
 
 impl KvManager {
-    /// A manager with an empty pool. Err for `block_size == 0` or `num_blocks < 2`.
+    /// A manager with an empty pool. Err for a block size outside 1..=MAX_BLOCK_SIZE or
+    /// `num_blocks` outside 2..=MAX_BLOCKS.
     pub fn new(cfg: KvManagerConfig) -> KvResult<Self> {
-        if cfg.block_size == 0 {
-            return Err(KvError::InvalidArgument(
-                "block_size must be at least 1".into(),
-            ));
-        }
-        let pool = BlockPool::new(cfg.num_blocks)?;
-        if (cfg.num_blocks as u64) * (cfg.block_size as u64) > u32::MAX as u64 + 1 {
+        if cfg.block_size == 0 || cfg.block_size > MAX_BLOCK_SIZE {
             return Err(KvError::InvalidArgument(format!(
-                "num_blocks * block_size = {} slots exceeds the 32-bit slot range",
-                cfg.num_blocks as u64 * cfg.block_size as u64
+                "block_size must be in 1..={MAX_BLOCK_SIZE}, got {}",
+                cfg.block_size
             )));
         }
+        if cfg.num_blocks > MAX_BLOCKS {
+            return Err(KvError::InvalidArgument(format!(
+                "num_blocks must be at most {MAX_BLOCKS}, got {}",
+                cfg.num_blocks
+            )));
+        }
+        let pool = BlockPool::new(cfg.num_blocks)?;
         Ok(KvManager {
             block_size: cfg.block_size,
             pool,
@@ -457,6 +466,8 @@ impl KvManager {
             self.scratch.clear();
             let mut dropped = std::mem::take(&mut self.scratch);
             self.cache.evict(b, &mut dropped);
+            // Rare (see radix_cache): a canonical order keeps the free queue deterministic.
+            dropped.sort_unstable();
             for &x in &dropped {
                 self.pool.set_cached(x, false);
             }

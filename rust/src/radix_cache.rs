@@ -16,8 +16,10 @@
 //! copies that block before writing into it (copy-on-write). Locking is the block pool's ref
 //! count: a request holds the blocks of its matched path. Eviction is driven by the pool's LRU
 //! of unreferenced cached blocks, which releases a path leaf-first, so `evict` normally trims
-//! the last block of a childless node; if it ever gets an inner block it drops the subtree
-//! below it and reports those blocks so the caller can uncache them.
+//! the last block of a childless node. The exception: a copy op still reading a partly matched
+//! block can outlive the request that held its ancestors; if an ancestor is evicted first,
+//! `evict` drops the whole subtree below it and reports those blocks so the caller can
+//! uncache them (unreferenced ones go back to the free queue as plain free blocks).
 //!
 //! Costs: `match_prefix` is O(matched tokens + children scanned); `insert_block` O(block_size)
 //! (a split is O(edge length)); `evict` O(1) amortized. Lock idea after SGLang's radix cache.
@@ -101,8 +103,7 @@ impl RadixCache {
         self.block_node[b as usize] != NO_NODE
     }
 
-    /// Evictions that hit a block with cached blocks below it (leaf-first release keeps
-    /// this at 0; the subtree is dropped if it happens).
+    /// Evictions that hit a block with cached blocks below it (the subtree was dropped).
     pub fn inner_evictions(&self) -> u64 {
         self.inner_evictions
     }
@@ -135,7 +136,10 @@ impl RadixCache {
                 let key = &self.nodes[c as usize].key;
                 if key[0] == rest[0] {
                     let l = common_prefix(key, rest);
-                    if l > best_len {
+                    // Ties (partial first blocks only) go to the lowest block id: deterministic.
+                    let tie = l == best_len
+                        && self.nodes[c as usize].blocks[0] < self.nodes[best as usize].blocks[0];
+                    if l > best_len || tie {
                         (best, best_len) = (c, l);
                     }
                 }

@@ -92,9 +92,9 @@ impl PyKvCacheManager {
     #[pyo3(signature = (num_blocks, block_size = 16, prefix_mode = "radix"))]
     fn new(num_blocks: i64, block_size: i64, prefix_mode: &str) -> PyResult<Self> {
         let num_blocks = u32::try_from(num_blocks)
-            .map_err(|_| invalid(format!("num_blocks must be in 2..2**32, got {num_blocks}")))?;
+            .map_err(|_| invalid(format!("num_blocks must be in 2..=2**26, got {num_blocks}")))?;
         let block_size = u32::try_from(block_size)
-            .map_err(|_| invalid(format!("block_size must be in 1..2**32, got {block_size}")))?;
+            .map_err(|_| invalid(format!("block_size must be in 1..=2**16, got {block_size}")))?;
         let prefix_mode = PrefixMode::parse(prefix_mode)?;
         Ok(PyKvCacheManager {
             inner: KvManager::new(KvManagerConfig {

@@ -8,11 +8,14 @@ use pyo3::prelude::*;
 pub(crate) mod arrays;
 pub(crate) mod errors;
 mod manager;
+mod sched_args;
 mod scheduler;
+mod step_output;
 
 #[pymodule]
 fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("DEBUG_BUILD", cfg!(debug_assertions))?;
     errors::register(m)?;
     m.add_class::<manager::PyKvCacheManager>()?;
     scheduler::register(m)?;

@@ -177,7 +177,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
 
     #[test]
     fn random_operation_sequences(cfg in config(), ops in prop::collection::vec(op(), 1..80)) {
