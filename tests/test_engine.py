@@ -39,6 +39,7 @@ def _hf_greedy(model, prompt, max_tokens, **kwargs):
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=False,
             max_new_tokens=max_tokens,
             eos_token_id=None,

@@ -3,7 +3,6 @@ stop strings, streaming. Few short prompts: the model is slow on a CPU."""
 
 import pytest
 import torch
-
 from kvcore.llm import LLM
 from kvcore.models import load_model
 from kvcore.outputs import SamplingParams
@@ -19,14 +18,20 @@ def smol():
 
 def _chat_ids(tok, text):
     msgs = [{"role": "user", "content": text}]
-    return list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False))
+    return list(
+        tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+    )
 
 
 def _hf(model, prompt, max_tokens):
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens, eos_token_id=None
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),  # EOS = pad in prompts
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=None,
         )
     return out[0, len(prompt) :].tolist()
 
@@ -55,14 +60,15 @@ def test_greedy_matches_generate_chunked_prefix_n2(smol):
 
 def test_preemption_matches_generate(smol):
     model, tok = smol
-    prompts = [_chat_ids(tok, q) for q in QUESTIONS]
-    # 12 usable blocks of 8 tokens: each request needs 6 or 7, so only one runs at a time.
-    llm = LLM(model, tokenizer=tok, num_blocks=13, block_size=8, prefix_caching="off")
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [_chat_ids(tok, q) for q in QUESTIONS[:2]]
+    # 11 blocks of 8 tokens: the two ~36-token prompts are admitted (5 blocks each), then grow
+    # to 6 blocks each while decoding: one of them must be preempted and recomputed.
+    llm = LLM(model, tokenizer=tok, num_blocks=12, block_size=8, prefix_caching="off")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.stats().num_preemptions > 0
     for o, p in zip(outs, prompts, strict=True):
-        assert o.outputs[0].token_ids == _hf(model, p, 6)
+        assert o.outputs[0].token_ids == _hf(model, p, 10)
     _check(llm)
 
 
@@ -70,16 +76,21 @@ def test_chat_stop_strings_and_streaming(smol):
     model, tok = smol
     llm = LLM(model, tokenizer=tok, num_blocks=64)
     msgs = [{"role": "user", "content": QUESTIONS[2]}]
-    base = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    base = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     full = base.outputs[0].text
     assert base.prompt_token_ids == _chat_ids(tok, QUESTIONS[2])
     words = full.split()
     assert len(words) >= 3, full
     stop = words[2]
-    cut = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=16, stop=[stop]), use_tqdm=False)
+    cut = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False)
     c = cut[0].outputs[0]
     assert (c.finish_reason, c.stop_reason) == ("stop", stop)
     assert c.text == full[: full.index(stop)]
-    texts = [o.outputs[0].text for o in llm.engine.stream(base.prompt_token_ids, SamplingParams(temperature=0, max_tokens=16))]
+    texts = [
+        o.outputs[0].text
+        for o in llm.engine.stream(
+            base.prompt_token_ids, SamplingParams(temperature=0, max_tokens=12)
+        )
+    ]
     assert texts[-1] == full and all(full.startswith(t) for t in texts)
     _check(llm)
