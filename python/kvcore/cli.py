@@ -71,9 +71,11 @@ def _run_chat(llm: Any, args: argparse.Namespace) -> tuple[list[Any], list[list[
         ids = tok.apply_chat_template(
             msgs, tokenize=True, add_generation_prompt=True, return_dict=False
         )
-        params = SamplingParams(
-            temperature=args.temperature, max_tokens=convs[c].max_tokens[turn], seed=args.seed
-        )
+        max_tokens = convs[c].max_tokens[turn]
+        if args.max_tokens:
+            max_tokens = min(max_tokens, args.max_tokens)
+        seed = args.seed if args.temperature > 0 else None
+        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=seed)
         owner[engine.add_request(list(ids), params)] = (c, turn)
 
     total = sum(len(c.turns) for c in convs)
@@ -159,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(run)
     run.add_argument("--conversations", type=int, default=24)
     run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--max-tokens", type=int, default=None, help="cap on each answer's length")
     run.add_argument("--compare", action="store_true", help="also run transformers generate")
     run.add_argument("--compare-batch", type=int, default=8, help="static batch size of --compare")
     run.set_defaults(func=cmd_run)
