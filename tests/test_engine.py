@@ -77,7 +77,8 @@ def test_mixed_lengths_chunked_prefill_match_generate(model):
         assert o.prompt_token_ids == p
         assert o.outputs[0].token_ids == _hf_greedy(model, p, m)
         assert o.outputs[0].finish_reason == "length"
-        assert o.metrics.time_to_first_token is not None
+        m_ = o.metrics
+        assert 0 <= m_.queue_time <= m_.time_to_first_token <= m_.e2e_latency
         assert len(o.metrics.inter_token_latencies) == m - 1
     _check(llm)
 

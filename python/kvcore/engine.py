@@ -80,6 +80,7 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}  # internal id -> request
         self._ids: dict[str, int] = {}  # user request id -> internal id
         self._next_id = itertools.count()
+        self._unscheduled: set[int] = set()  # internal ids not yet in any step
 
     # ---- admission ----------------------------------------------------------------------
 
@@ -139,6 +140,7 @@ class LLMEngine:
             )
             self._requests[i] = req
             self._ids[rid] = i
+            self._unscheduled.add(i)
         return ids
 
     def add_request(
@@ -214,10 +216,11 @@ class LLMEngine:
             self.scheduler.update(plan.step_id, np.zeros(0, np.int64))
             return []
         reqs = self._requests
-        for rid in plan.req_ids[plan.num_decode :].tolist():  # only prefill rows can be new
-            req = reqs.get(rid)
-            if req is not None and req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = start
+        if self._unscheduled:  # stamp requests scheduled for the first time
+            new = np.intersect1d(plan.req_ids, np.fromiter(self._unscheduled, np.int64))
+            for rid in new.tolist():
+                reqs[rid].metrics.first_scheduled_time = start
+                self._unscheduled.discard(rid)
         logits = self.runner.execute(plan, plan.logits_indices)
         sample_rids = plan.sample_req_ids.tolist()
         sample_idx = plan.sample_seq_index.tolist()
@@ -253,6 +256,7 @@ class LLMEngine:
     def _retire(self, internal_id: int, now: float) -> RequestOutput:
         req = self._requests.pop(internal_id)
         del self._ids[req.request_id]
+        self._unscheduled.discard(internal_id)
         req.release(self.sampler)
         req.metrics.finished_time = now
         self.stats.num_finished += 1
@@ -269,12 +273,10 @@ class LLMEngine:
         """Add one streaming request and yield its outputs until it finishes (other requests
         keep being served by the same steps)."""
         rid = self.add_request(prompt, params, stream=True)
-        while True:
+        while rid in self._ids:  # until finished here or aborted by someone else
             for out in self.step():
                 if out.request_id == rid:
                     yield out
-                    if out.finished:
-                        return
 
 
 def _broadcast(value: Any, n: int, name: str) -> list[Any]:

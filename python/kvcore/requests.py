@@ -265,7 +265,7 @@ class EngineStats:
     forward_seconds: float = 0.0  # inside the model's forward
     peak_kv_usage: float = 0.0  # fraction of non-null blocks in use, at its peak
     peak_running: int = 0
-    waste_sum: float = 0.0  # per-step fraction of used slots holding no token, summed
+    waste_sum: float = 0.0  # per step: fraction of the running sequences' slots past their end
     waste_steps: int = 0
     sampled_tokens: int = 0
     last: dict[str, Any] = field(default_factory=dict)  # the scheduler's latest stats
@@ -281,10 +281,13 @@ class EngineStats:
         usage = float(st.kv_usage)
         self.peak_kv_usage = max(self.peak_kv_usage, usage)
         self.peak_running = max(self.peak_running, int(st.num_running))
-        used_slots = usage * (self.num_blocks - 1) * self.block_size
-        tokens = float(st.num_computed_tokens)  # this step's in-flight tokens included
-        if used_slots > 0:
-            self.waste_sum += max(0.0, 1.0 - tokens / used_slots)
+        # Internal fragmentation of the scheduled sequences: slots of their blocks past their
+        # last token (a paged cache wastes nothing else).
+        lens = plan.seq_lens
+        if len(lens):
+            bs = self.block_size
+            slots = int(((lens + bs - 1) // bs).sum()) * bs
+            self.waste_sum += 1.0 - float(lens.sum()) / slots
             self.waste_steps += 1
 
     def observe_step(self, seconds: float, forward: float, sampled: int) -> None:
@@ -296,5 +299,6 @@ class EngineStats:
 
     @property
     def mean_waste(self) -> float:
-        """Mean over steps of the fraction of allocated KV slots holding no token."""
+        """Mean over steps of the fraction of the scheduled sequences' KV slots holding no
+        token (internal fragmentation of their last blocks)."""
         return self.waste_sum / self.waste_steps if self.waste_steps else 0.0
