@@ -35,6 +35,14 @@ def mix_seed(seed: int, counter: int) -> int:
     return z ^ (z >> 31)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first index on ties, like torch.argmax). On the CPU NumPy's is several
+    times faster than torch's for [rows, vocab] logits."""
+    if x.device.type == "cpu":
+        return torch.from_numpy(np.argmax(x.detach().numpy(), axis=-1))
+    return torch.argmax(x, dim=-1)
+
+
 @dataclass
 class SamplerOutput:
     """The step's sampled tokens, one per row, and the logprobs asked for."""
@@ -145,7 +153,7 @@ class Sampler:
         if has_pen.any():
             logits = logits.clone()
             self._apply_penalties(logits, np.nonzero(has_pen)[0], pen_rows[has_pen], params)
-        tokens = torch.argmax(logits, dim=-1)
+        tokens = argmax_rows(logits)
         sampled = np.nonzero(params[:, _TEMP] > 0)[0]
         if sampled.size:
             tokens[torch.from_numpy(sampled).to(self.device)] = self._sample_rows(
@@ -217,4 +225,4 @@ class Sampler:
             self._seeded_gen.manual_seed(key)
             noise[i].exponential_(generator=self._seeded_gen)
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a 0 draw would divide 0 by 0
-        return torch.argmax(probs / noise, dim=-1)
+        return argmax_rows(probs / noise)
