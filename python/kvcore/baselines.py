@@ -89,7 +89,8 @@ def _hf_generate(
     processor_list: Any,
 ) -> PeerResult:
     outputs: list[list[int]] = []
-    ttft, itl = [], []
+    ttft: list[float] = []
+    itl: list[float] = []
     start = time.perf_counter()
     for b in range(0, len(prompts), batch_size):
         batch, lens = prompts[b : b + batch_size], max_tokens[b : b + batch_size]
@@ -156,7 +157,9 @@ def _hf_continuous(
     finally:
         manager.stop(block=True)
         model.destroy_cached_continuous_batching_manager()
-    outputs, ttft, itl = [], [], []
+    outputs: list[list[int]] = []
+    ttft: list[float] = []
+    itl: list[float] = []
     for rid in ids:
         r = results[rid]
         if r.error is not None:

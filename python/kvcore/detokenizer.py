@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return ""
         before = len(self.text)
-        if self._stream is not None:
+        if self._stream is not None and self._backend is not None:
             for t in token_ids:
                 piece = self._stream.step(self._backend, t)
                 if piece:

@@ -132,7 +132,7 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: A
         model = LlamaForCausalLM(config)
     finally:
         torch.random.set_rng_state(rng_state)
-    return model.to(dtype).eval()
+    return model.to(dtype).eval()  # type: ignore[arg-type]  # transformers' .to typing
 
 
 def check_supported(model: Any) -> None:
@@ -212,8 +212,8 @@ def load_model(
         raise InvalidArgumentError(f"model must be a name, path or PreTrainedModel: {model!r}")
     check_supported(loaded)
     if want is not None and loaded.dtype != want:
-        loaded = loaded.to(want)
-    loaded = loaded.to(device).eval()
+        loaded = loaded.to(want)  # type: ignore[arg-type]
+    loaded = loaded.to(device).eval()  # type: ignore[arg-type]
     if isinstance(tokenizer, str | os.PathLike):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     return loaded, tokenizer if tokenizer is not None else found_tokenizer

@@ -170,7 +170,11 @@ class Request:
                 m.token_times.append(now)
             if s.logprobs is not None and lps is not None:
                 s.logprobs.append(lps[k])
-                if s.top_logprobs is not None and out.top_ids is not None:
+                if (
+                    s.top_logprobs is not None
+                    and out.top_ids is not None
+                    and out.top_logprobs is not None
+                ):
                     kk = req.params.logprobs or 0
                     ids, vals = out.top_ids[k, :kk].tolist(), out.top_logprobs[k, :kk].tolist()
                     s.top_logprobs.append(dict(zip(ids, vals, strict=True)))
