@@ -82,7 +82,7 @@ def engine_figures(engine: Any, wall_s: float) -> dict[str, float]:
     queried = float(last.get("prefix_query_tokens", 0))
     hit = float(last.get("prefix_hit_tokens", 0))
     forward = st.forward_seconds
-    return {
+    figures = {
         "prefix_hit_rate_pct": 100.0 * hit / queried if queried else 0.0,
         "peak_kv_usage_pct": 100.0 * st.peak_kv_usage,
         "kv_waste_pct": 100.0 * st.mean_waste,
@@ -90,3 +90,6 @@ def engine_figures(engine: Any, wall_s: float) -> dict[str, float]:
         "steps": st.num_steps,
         "engine_overhead_pct": 100.0 * max(0.0, wall_s - forward) / wall_s if wall_s else 0.0,
     }
+    if st.overhead_at_64 is not None:
+        figures["engine_overhead_at_64_running_pct"] = 100.0 * st.overhead_at_64
+    return figures

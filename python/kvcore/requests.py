@@ -272,6 +272,8 @@ class EngineStats:
     waste_sum: float = 0.0  # per step: fraction of the running sequences' slots past their end
     waste_steps: int = 0
     sampled_tokens: int = 0
+    busy_step_seconds: float = 0.0  # steps with >= 64 running sequences
+    busy_forward_seconds: float = 0.0
     last: dict[str, Any] = field(default_factory=dict)  # the scheduler's latest stats
 
     def reset(self) -> None:
@@ -300,6 +302,16 @@ class EngineStats:
         self.step_seconds += seconds
         self.forward_seconds += forward
         self.sampled_tokens += sampled
+        if self.last.get("num_running", 0) >= 64:
+            self.busy_step_seconds += seconds
+            self.busy_forward_seconds += forward
+
+    @property
+    def overhead_at_64(self) -> float | None:
+        """Fraction of step time outside the forward, over steps with >= 64 running."""
+        if self.busy_step_seconds == 0:
+            return None
+        return 1.0 - self.busy_forward_seconds / self.busy_step_seconds
 
     @property
     def mean_waste(self) -> float:
