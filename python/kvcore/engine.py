@@ -21,7 +21,8 @@ from kvcore.errors import DuplicateRequestError, InvalidArgumentError, UnknownRe
 from kvcore.model_runner import ModelRunner, kv_bytes_per_block
 from kvcore.models import load_model
 from kvcore.outputs import RequestOutput, SamplingParams
-from kvcore.requests import EngineStats, Request, build_scheduler, submit
+from kvcore.report import EngineStats
+from kvcore.requests import Request, build_scheduler, submit
 from kvcore.sampler import Sampler
 
 PromptType = str | Sequence[int]
