@@ -1,4 +1,4 @@
-"""The engine's per-request state, its statistics, and the seam to the Rust scheduler.
+"""The engine's per-request state and the seam to the Rust scheduler.
 
 The scheduler owns tokens, blocks and finish rules (max_tokens, EOS, stop token ids); Python keeps
 what only Python can do per request: sampler slots, detokenizers for stop strings and streaming,
