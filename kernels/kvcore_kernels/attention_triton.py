@@ -10,8 +10,9 @@ the query heads sharing one KV head, so each K/V tile is loaded once for the who
 Its keys are ``[k_start, k_end)`` (causal end of its last token, window start of its first),
 walked in ``BLOCK_N`` tiles through the block table with an online softmax in log2 units. With
 ``num_splits > 1`` (few tiles, long contexts: a decode batch of one still fills the GPU) split
-``s`` takes every ``num_splits``-th share of the key tiles and writes its unnormalised partial
-(acc, max, sum); ``_merge_splits_kernel`` combines them (Dao et al.'s flash-decoding).
+``s`` takes the ``s``-th of ``num_splits`` contiguous shares of the tile's key range and writes
+its unnormalised partial (acc, max, sum); ``_merge_splits_kernel`` combines them (the
+flash-decoding idea of Dao et al.).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # sliding_window=None: every key is within the window
 MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in merging than it gains
 MAX_SPLITS = 64
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 MAX_QUERIES_PER_KV = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sliding_window", "num_splits", "num_tokens"])
 def _paged_attention_kernel(
     query_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
     kv_cache_ptr,  # [num_blocks, 2, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
@@ -44,13 +45,14 @@ def _paged_attention_kernel(
     tile_req_ptr,  # [num_tiles] int32: request of each query tile
     tile_start_ptr,  # [num_tiles] int32: first query of the tile, counted within its request
     alibi_slopes_ptr,  # [num_q_heads] fp32 (read only if USE_ALIBI)
-    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM] (written if NUM_SPLITS == 1)
-    part_acc_ptr,  # [NUM_SPLITS, num_tokens, num_q_heads, HEAD_DIM] fp32 (if NUM_SPLITS > 1)
-    part_max_ptr,  # [NUM_SPLITS, num_tokens, num_q_heads] fp32, log2 units
-    part_sum_ptr,  # [NUM_SPLITS, num_tokens, num_q_heads] fp32
+    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM] (written unless SPLIT_KV)
+    part_acc_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_DIM] fp32 (if SPLIT_KV)
+    part_max_ptr,  # [num_splits, num_tokens, num_q_heads] fp32, log2 units
+    part_sum_ptr,  # [num_splits, num_tokens, num_q_heads] fp32
     qk_scale,  # scale * log2(e)
     soft_cap,  # soft_cap * log2(e) (read only if USE_SOFTCAP)
     sliding_window,  # NO_WINDOW when off
+    num_splits,  # grid axis 2; a runtime value, so split counts share one compiled kernel
     num_tokens,
     num_q_heads,
     stride_query_tok,
@@ -68,7 +70,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KV: tl.constexpr,  # num_splits > 1: write partials for _merge_splits_kernel
     USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
@@ -106,7 +108,7 @@ def _paged_attention_kernel(
     k_end = ctx + last_q + 1
     k_start = tl.maximum(ctx + q_first - sliding_window + 1, 0)
     num_kv_tiles = tl.cdiv(k_end - k_start, BLOCK_N)
-    per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
+    per_split = tl.cdiv(num_kv_tiles, num_splits)
     t_begin = split * per_split
     t_end = tl.minimum(t_begin + per_split, num_kv_tiles)
 
@@ -139,7 +141,7 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0 only on padding rows
         tl.store(
             out_ptr
@@ -156,7 +158,7 @@ def _paged_attention_kernel(
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
     part_acc_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_DIM] fp32
@@ -206,18 +208,31 @@ def _tiles(meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.T
     return meta.cache[key]
 
 
+def _block_shape(decode_only: bool, group: int, row_bytes: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): query rows and keys per tile, smaller for wide rows (fp32, 256).
+
+    Decode tiles hold one token's query heads (padded to the 16 rows ``tl.dot`` needs);
+    mixed and prefill steps pack several tokens per tile.
+    """
+    narrow = row_bytes <= 256  # bf16/fp16 with head_dim <= 128
+    block_n = 64 if narrow else (32 if row_bytes <= 512 else 16)
+    if decode_only:
+        return max(16, triton.next_power_of_2(group)), block_n
+    return (128 if narrow else (64 if row_bytes <= 512 else 32)), block_n
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: small, so that tests reach the split path
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
+def choose_num_splits(num_programs: int, max_keys: int, device: torch.device) -> int:
     """Split the key range when the grid alone would leave the GPU half idle."""
     target = 2 * _num_sms(device)
     if num_programs >= target:
         return 1
-    return max(1, min(-(-target // num_programs), max_seq_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(-(-target // num_programs), max_keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 def paged_attention_triton(
@@ -252,14 +267,16 @@ def paged_attention_triton(
         out = torch.empty_like(query)
     if meta.num_tokens == 0:
         return out
-    decode_only = meta.max_q_len == 1
-    wide = d > 128 or query.dtype == torch.float32
-    block_m = max(16, triton.next_power_of_2(group)) if decode_only else (64 if wide else 128)
-    block_n = 32 if wide else 64
+    block_m, block_n = _block_shape(meta.max_q_len == 1, group, d * query.element_size())
     block_q = block_m // group
     tile_req, tile_start = _tiles(meta, block_q)
     num_tiles = tile_req.shape[0]
-    splits = choose_num_splits(num_tiles * hk, meta.max_seq_len, query.device)
+    keys = (
+        meta.max_seq_len
+        if sliding_window is None
+        else min(meta.max_seq_len, sliding_window + block_q)
+    )
+    splits = choose_num_splits(num_tiles * hk, keys, query.device)
     if splits > 1:
         part_acc = torch.empty(
             (splits, meta.num_tokens, hq, d), dtype=torch.float32, device=query.device
@@ -303,12 +320,14 @@ def paged_attention_triton(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        NUM_SPLITS=splits,
+        num_splits=splits,
+        SPLIT_KV=splits > 1,
         USE_SOFTCAP=soft_cap is not None,
         USE_ALIBI=alibi_slopes is not None,
         COMPUTE_DTYPE=compute_dtype(query.dtype, _paged_attention_kernel),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4 if decode_only else 8,
+        num_warps=4 if block_m <= 16 else 8,
+        num_stages=2,
     )
     if splits > 1:
         _merge_splits_kernel[(meta.num_tokens, hq)](

@@ -37,12 +37,15 @@ def _store_kv_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    keep = (slot >= BLOCK_SIZE) & (slot < num_slots)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     heads = tl.arange(0, HEADS_PAD)  # [HEADS_PAD]
     dims = tl.arange(0, DIM_PAD)  # [DIM_PAD]
-    mask = keep & (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    # The slot is broadcast to the tile before comparing: the interpreter rejects a mask made
+    # of a scalar bool and a block.
+    slots = tl.zeros([HEADS_PAD, DIM_PAD], dtype=tl.int64) + slot  # [HEADS_PAD, DIM_PAD]
+    mask = (slots >= BLOCK_SIZE) & (slots < num_slots)
+    mask = mask & (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
     key = tl.load(  # [HEADS_PAD, DIM_PAD]
         key_ptr + tok * stride_key_tok + heads[:, None] * stride_key_head + dims[None, :],
         mask=mask,
