@@ -15,18 +15,25 @@ max_requests_per_batch=8), ratio_vs_best_peer and ttft_p50_ratio_vs_static8.
 
 from __future__ import annotations
 
-import argparse
-import time
+import os
 
-import kvcore
-import torch
-from kvcore import _kvcore
-from kvcore.baselines import hf_continuous, hf_generate
-from kvcore.llm import LLM
-from kvcore.models import load_model, tiny_llama
-from kvcore.outputs import SamplingParams
-from kvcore.report import percentiles, summarize
-from kvcore.workload import bench_workload
+# Idle OpenMP threads sleep instead of spinning: with spinning, a 2-thread run on a machine whose
+# cores are shared collapses (each parallel region can wait a scheduler quantum). Set before
+# torch loads; applies to kvcore and the transformers peers alike.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import kvcore  # noqa: E402
+import torch  # noqa: E402
+from kvcore import _kvcore  # noqa: E402
+from kvcore.baselines import hf_continuous, hf_generate  # noqa: E402
+from kvcore.llm import LLM  # noqa: E402
+from kvcore.models import load_model, tiny_llama  # noqa: E402
+from kvcore.outputs import SamplingParams  # noqa: E402
+from kvcore.report import percentiles, summarize  # noqa: E402
+from kvcore.workload import bench_workload  # noqa: E402
 
 
 def refuse_debug_build() -> None:
@@ -77,6 +84,7 @@ def main() -> None:
     wl = bench_workload(args.variant, model.config.vocab_size, args.seed, args.requests)
     print(f"kvcore_version: {kvcore.__version__}")
     print(f"workload: {args.variant} model={args.model} threads={args.threads} seed={args.seed}")
+    print(f"omp_wait_policy: {os.environ.get('OMP_WAIT_POLICY')}")
     print(f"output_tokens_requested: {sum(wl.max_tokens)} tok")
     summary, outputs = run_kvcore(model, wl, args)
     for line in summary.lines("kvcore"):

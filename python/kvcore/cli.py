@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -155,6 +156,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvcore`` console script."""
+    # Idle OpenMP threads sleep rather than spin (read when torch loads, below): on cores shared
+    # with other work, spinning threads make multi-threaded CPU runs many times slower.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = argparse.ArgumentParser(prog="kvcore", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="serve the built-in chat workload and print a report")
