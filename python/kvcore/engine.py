@@ -17,7 +17,12 @@ import numpy as np
 import torch
 
 from kvcore.config import CacheConfig, SchedulerConfig
-from kvcore.errors import DuplicateRequestError, InvalidArgumentError, UnknownRequestError
+from kvcore.errors import (
+    DuplicateRequestError,
+    InvalidArgumentError,
+    TooLongError,
+    UnknownRequestError,
+)
 from kvcore.model_runner import ModelRunner, kv_bytes_per_block
 from kvcore.models import load_model
 from kvcore.outputs import RequestOutput, SamplingParams
@@ -117,6 +122,8 @@ class LLMEngine:
         if any(i in self._ids for i in ids):
             raise DuplicateRequestError(f"request id already running: {ids}")
         prios = list(priority) if priority is not None else [0] * n
+        if len(prios) != n:
+            raise InvalidArgumentError(f"priority: {len(prios)} given for {n} prompts")
         built = []
         for rid, prompt, p, prio in zip(ids, prompts, plist, prios, strict=True):
             if not isinstance(p, SamplingParams):
@@ -168,8 +175,6 @@ class LLMEngine:
                 f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})"
             )
         if len(tokens) >= self.max_model_len:
-            from kvcore.errors import TooLongError
-
             raise TooLongError(
                 f"prompt of {len(tokens)} tokens leaves no room for output "
                 f"(max_model_len {self.max_model_len})"
