@@ -24,8 +24,40 @@ from kvcore.errors import (
     UnknownRequestError,
 )
 
+# The serving API imports torch and transformers: loaded on first use (PEP 562), so that
+# ``import kvcore`` for the Rust core alone stays light.
+_LAZY = {
+    "LLM": "kvcore.llm",
+    "LLMEngine": "kvcore.engine",
+    "SamplingParams": "kvcore.outputs",
+    "RequestOutput": "kvcore.outputs",
+    "CompletionOutput": "kvcore.outputs",
+    "RequestMetrics": "kvcore.outputs",
+    "CacheConfig": "kvcore.config",
+    "SchedulerConfig": "kvcore.config",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvcore' has no attribute {name!r}")
+
+
 __all__ = [
     "__version__",
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "CacheConfig",
+    "SchedulerConfig",
     "KvCacheManager",
     "Scheduler",
     "SchedulerStats",

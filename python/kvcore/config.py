@@ -1,0 +1,113 @@
+"""Engine configuration: the KV cache and the scheduler, validated when built.
+
+Every check raises ``InvalidArgumentError`` before any memory is allocated or request scheduled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcore.errors import InvalidArgumentError
+
+PREFIX_MODES = ("radix", "hash", "off")
+POLICIES = ("fcfs", "priority")
+KV_FORMATS = {
+    "auto": None,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+DEFAULT_KV_MEMORY_BYTES = 1 << 30  # on the CPU, when neither blocks nor bytes are given
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size, size (blocks or a byte budget), format, prefix mode."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # including the null block; wins over kv_memory_bytes
+    kv_memory_bytes: int | None = None  # KV budget over all layers; default 1 GiB on the CPU
+    kv_format: str = "auto"  # storage dtype: auto (the model's) | float32 | float16 | bfloat16
+    prefix_caching: str = "radix"  # radix | hash | off
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not (_is_int(bs) and 1 <= bs <= 256 and bs & (bs - 1) == 0):
+            raise InvalidArgumentError(f"block_size must be a power of two in [1, 256], got {bs!r}")
+        if self.num_blocks is not None and not (_is_int(self.num_blocks) and self.num_blocks >= 2):
+            raise InvalidArgumentError(
+                f"num_blocks must be an integer >= 2, got {self.num_blocks!r}"
+            )
+        if self.kv_memory_bytes is not None and not (
+            _is_int(self.kv_memory_bytes) and self.kv_memory_bytes > 0
+        ):
+            raise InvalidArgumentError(f"kv_memory_bytes must be > 0, got {self.kv_memory_bytes!r}")
+        if self.kv_format not in KV_FORMATS:
+            raise InvalidArgumentError(
+                f"kv_format must be one of {', '.join(KV_FORMATS)}, got {self.kv_format!r}"
+            )
+        if self.prefix_caching not in PREFIX_MODES:
+            raise InvalidArgumentError(
+                f"prefix_caching must be one of {', '.join(PREFIX_MODES)}, "
+                f"got {self.prefix_caching!r}"
+            )
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The storage dtype for a model of ``model_dtype``."""
+        return KV_FORMATS[self.kv_format] or model_dtype
+
+    def resolve_num_blocks(self, bytes_per_block: int, device: torch.device) -> int:
+        """Blocks to allocate (the null block included) for a model needing bytes_per_block."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        budget = self.kv_memory_bytes
+        if budget is None:
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                budget = int(free * 0.8)
+            else:
+                budget = DEFAULT_KV_MEMORY_BYTES
+        blocks = budget // bytes_per_block
+        if blocks < 2:
+            raise InvalidArgumentError(
+                f"a KV budget of {budget} bytes holds {blocks} blocks of {bytes_per_block} bytes: "
+                "need at least 2"
+            )
+        return int(blocks)
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching: token budget per step, running cap, prefill chunking, policy.
+
+    Prefill is always chunked to fit the step's token budget (decodes are scheduled first);
+    ``long_prefill_token_threshold`` further caps one request's prefill chunk per step.
+    """
+
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 256  # running sequences at most (the n samples of a request count n)
+    long_prefill_token_threshold: int = 0  # 0: only the budget caps a prefill chunk
+    policy: str = "fcfs"  # fcfs | priority (smaller value first; ties by arrival)
+    watermark: float = 0.01  # fraction of the blocks admission keeps free
+
+    def __post_init__(self) -> None:
+        for name, low in (
+            ("max_num_batched_tokens", 1),
+            ("max_num_seqs", 1),
+            ("long_prefill_token_threshold", 0),
+        ):
+            value = getattr(self, name)
+            if not (_is_int(value) and value >= low):
+                raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
+        if self.policy not in POLICIES:
+            raise InvalidArgumentError(
+                f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}"
+            )
+        if not (isinstance(self.watermark, int | float) and 0 <= self.watermark < 1):
+            raise InvalidArgumentError(f"watermark must be in [0, 1), got {self.watermark!r}")

@@ -1,0 +1,170 @@
+"""LLM: the offline, vLLM-shaped entry point (``generate`` and ``chat``) over an LLMEngine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvcore.config import CacheConfig, SchedulerConfig
+from kvcore.engine import LLMEngine
+from kvcore.errors import InvalidArgumentError
+from kvcore.outputs import RequestOutput, SamplingParams
+
+
+def _normalize_prompts(prompts: Any) -> list[str | list[int]]:
+    """str | list[str] | list[int] | list[list[int]] | {"prompt"/"prompt_token_ids"} -> list."""
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
+    elif isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
+        prompts = [prompts]  # one prompt given as token ids
+    if not isinstance(prompts, Sequence):
+        raise InvalidArgumentError(f"prompts must be a string or a list, not {type(prompts)}")
+    out: list[str | list[int]] = []
+    for p in prompts:
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                out.append(list(p["prompt_token_ids"]))
+            elif "prompt" in p:
+                out.append(p["prompt"])
+            else:
+                raise InvalidArgumentError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        else:
+            out.append(p)
+    return out
+
+
+class LLM:
+    """Offline inference on a transformers model with kvcore's paged KV cache.
+
+    ``model`` is ``"smollm2-135m"`` (the embedded default), ``"tiny-llama"``, a local checkpoint
+    directory or a loaded ``PreTrainedModel``. Cache and scheduler options are the fields of
+    ``CacheConfig`` and ``SchedulerConfig`` (or pass the objects).
+    """
+
+    def __init__(
+        self,
+        model: Any = "smollm2-135m",
+        *,
+        tokenizer: Any = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int | None = None,
+        kv_format: str = "auto",
+        prefix_caching: str = "radix",
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        long_prefill_token_threshold: int = 0,
+        policy: str = "fcfs",
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        kernel_backend: str = "auto",
+    ):
+        cache_config = cache_config or CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_memory_bytes=kv_memory_bytes,
+            kv_format=kv_format,
+            prefix_caching=prefix_caching,
+        )
+        scheduler_config = scheduler_config or SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            policy=policy,
+        )
+        self.engine = LLMEngine(
+            model,
+            tokenizer=tokenizer,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            seed=seed,
+            kernel_backend=kernel_backend,
+        )
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer (None for a model given without one)."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs in prompt order."""
+        plist = _normalize_prompts(prompts)
+        if not plist:
+            return []
+        ids = self.engine.add_requests(plist, sampling_params, priority=priority)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Complete one conversation (a list of {"role", "content"} dicts) or a list of them,
+        rendered with the tokenizer's chat template."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise InvalidArgumentError("chat needs a tokenizer with a chat template")
+        if not messages:
+            raise InvalidArgumentError("chat needs at least one message")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            list(
+                tok.apply_chat_template(
+                    conv,
+                    tokenize=True,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=chat_template,
+                    return_dict=False,
+                )
+            )
+            for conv in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        start, num_out = time.perf_counter(), 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        num_out += sum(len(c.token_ids) for c in out.outputs)
+                        if bar is not None:
+                            rate = num_out / max(time.perf_counter() - start, 1e-9)
+                            bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        missing = [ids[i] for i, r in enumerate(results) if r is None]
+        if missing:
+            raise InvalidArgumentError(f"requests finished elsewhere: {missing}")
+        return [r for r in results if r is not None]

@@ -1,0 +1,170 @@
+"""Engine statistics and run summaries: throughput, latency percentiles, cache figures and the
+engine's own share of the time, printed as ``name: value unit`` lines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvcore.outputs import RequestOutput
+
+_STAT_FIELDS = (
+    "num_running",
+    "num_waiting",
+    "kv_usage",
+    "num_free_blocks",
+    "prefix_query_tokens",
+    "prefix_hit_tokens",
+    "num_preemptions",
+    "num_computed_tokens",
+)
+
+
+@dataclass
+class EngineStats:
+    """Counters of an engine's life: steps, time split, KV usage, preemptions, prefix hits."""
+
+    num_blocks: int
+    block_size: int
+    num_steps: int = 0
+    num_finished: int = 0
+    step_seconds: float = 0.0  # inside step()
+    forward_seconds: float = 0.0  # inside the model's forward
+    peak_kv_usage: float = 0.0  # fraction of non-null blocks in use, at its peak
+    peak_running: int = 0
+    waste_sum: float = 0.0  # per step: fraction of the running sequences' slots past their end
+    waste_steps: int = 0
+    sampled_tokens: int = 0
+    busy_step_seconds: float = 0.0  # steps with >= 64 running sequences
+    busy_forward_seconds: float = 0.0
+    last: dict[str, Any] = field(default_factory=dict)  # the scheduler's latest stats
+
+    def reset(self) -> None:
+        """Zero the counters (e.g. after a warm-up)."""
+        self.__init__(self.num_blocks, self.block_size)  # type: ignore[misc]
+
+    def observe_plan(self, plan: Any, scheduler: Any) -> None:
+        """Called after each schedule(): track KV usage and waste."""
+        st = scheduler.stats()
+        self.last = {k: getattr(st, k) for k in _STAT_FIELDS}
+        usage = float(st.kv_usage)
+        self.peak_kv_usage = max(self.peak_kv_usage, usage)
+        self.peak_running = max(self.peak_running, int(st.num_running))
+        # Internal fragmentation of the scheduled sequences: slots of their blocks past their
+        # last token (a paged cache wastes nothing else).
+        lens = plan.seq_lens
+        if len(lens):
+            bs = self.block_size
+            slots = int(((lens + bs - 1) // bs).sum()) * bs
+            self.waste_sum += 1.0 - float(lens.sum()) / slots
+            self.waste_steps += 1
+
+    def observe_step(self, seconds: float, forward: float, sampled: int) -> None:
+        """Called at the end of each step."""
+        self.num_steps += 1
+        self.step_seconds += seconds
+        self.forward_seconds += forward
+        self.sampled_tokens += sampled
+        if self.last.get("num_running", 0) >= 64:
+            self.busy_step_seconds += seconds
+            self.busy_forward_seconds += forward
+
+    @property
+    def overhead_at_64(self) -> float | None:
+        """Fraction of step time outside the forward, over steps with >= 64 running."""
+        if self.busy_step_seconds == 0:
+            return None
+        return 1.0 - self.busy_forward_seconds / self.busy_step_seconds
+
+    @property
+    def mean_waste(self) -> float:
+        """Mean over steps of the fraction of the scheduled sequences' KV slots holding no
+        token (internal fragmentation of their last blocks)."""
+        return self.waste_sum / self.waste_steps if self.waste_steps else 0.0
+
+
+def percentiles(values: list[float], qs: tuple[int, ...] = (50, 95, 99)) -> dict[int, float]:
+    """Percentiles of ``values`` (nan when empty)."""
+    if not values:
+        return {q: float("nan") for q in qs}
+    arr = np.asarray(values, dtype=np.float64)
+    return {q: float(np.percentile(arr, q)) for q in qs}
+
+
+@dataclass
+class RunSummary:
+    """Figures of one engine run over a set of requests."""
+
+    num_requests: int
+    output_tokens: int
+    wall_s: float
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    engine: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tok_per_s(self) -> float:
+        """Output tokens per second of wall time."""
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def lines(self, prefix: str = "kvcore") -> list[str]:
+        """The summary as ``name: value unit`` lines."""
+        out = [
+            f"{prefix}_requests: {self.num_requests} req",
+            f"{prefix}_output_tokens: {self.output_tokens} tok",
+            f"{prefix}_wall_s: {self.wall_s:.2f} s",
+            f"{prefix}_tok_per_s: {self.tok_per_s:.1f} tok/s",
+        ]
+        for name, vals in (("ttft", self.ttft_s), ("itl", self.itl_s)):
+            for q, v in percentiles(vals).items():
+                out.append(f"{prefix}_{name}_p{q}_ms: {v * 1e3:.1f} ms")
+        for key, value in self.engine.items():
+            out.append(
+                f"{prefix}_{key}: {value:.4g}"
+                if isinstance(value, float)
+                else f"{prefix}_{key}: {value}"
+            )
+        return out
+
+
+def summarize(outputs: list[RequestOutput], wall_s: float, engine: Any | None = None) -> RunSummary:
+    """Summarize finished outputs (timings from each request's metrics)."""
+    ttft, itl = [], []
+    tokens = 0
+    for o in outputs:
+        tokens += sum(len(c.token_ids) for c in o.outputs)
+        t = o.metrics.time_to_first_token
+        if t is not None:
+            ttft.append(t)
+        itl.extend(o.metrics.inter_token_latencies)
+    s = RunSummary(len(outputs), tokens, wall_s, ttft, itl)
+    if engine is not None:
+        s.engine = engine_figures(engine, wall_s)
+    return s
+
+
+def engine_figures(engine: Any, wall_s: float) -> dict[str, float]:
+    """Cache and overhead figures of an LLMEngine after a run."""
+    st = engine.stats
+    now = engine.scheduler.stats()
+    last = {
+        "prefix_query_tokens": now.prefix_query_tokens,
+        "prefix_hit_tokens": now.prefix_hit_tokens,
+        "num_preemptions": now.num_preemptions,
+    }
+    queried = float(last.get("prefix_query_tokens", 0))
+    hit = float(last.get("prefix_hit_tokens", 0))
+    forward = st.forward_seconds
+    figures = {
+        "prefix_hit_rate_pct": 100.0 * hit / queried if queried else 0.0,
+        "peak_kv_usage_pct": 100.0 * st.peak_kv_usage,
+        "kv_waste_pct": 100.0 * st.mean_waste,
+        "preemptions": int(last.get("num_preemptions", 0)),
+        "steps": st.num_steps,
+        "engine_overhead_pct": 100.0 * max(0.0, wall_s - forward) / wall_s if wall_s else 0.0,
+    }
+    if st.overhead_at_64 is not None:
+        figures["engine_overhead_at_64_running_pct"] = 100.0 * st.overhead_at_64
+    return figures
