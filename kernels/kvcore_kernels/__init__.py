@@ -1,6 +1,33 @@
 """kvcore_kernels: paged KV-cache kernels (Triton) and their pure-torch twins.
 
 Knows nothing of kvcore: it takes tensors, block tables, slot mappings and sequence metadata.
+The cache layout is documented once, in ``kvcore_kernels.cache``::
+
+    kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 1: 0 = K, 1 = V)
+
+Per step: ``store_kv`` writes the new tokens' K/V; ``plan_attention`` builds the metadata every
+layer shares; per layer ``paged_attention`` runs. ``backend="auto"`` picks Triton on CUDA and the
+torch twin elsewhere; ``*_torch`` / ``*_triton`` name one explicitly (same signatures).
 """
 
+from kvcore_kernels.attention import paged_attention
+from kvcore_kernels.attention_torch import paged_attention_torch
+from kvcore_kernels.cache import NULL_BLOCK, allocate_kv_cache
+from kvcore_kernels.errors import KernelConfigError
+from kvcore_kernels.plan import AttentionMetadata, plan_attention
+from kvcore_kernels.store import store_kv, store_kv_torch
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "NULL_BLOCK",
+    "AttentionMetadata",
+    "KernelConfigError",
+    "allocate_kv_cache",
+    "paged_attention",
+    "paged_attention_torch",
+    "plan_attention",
+    "store_kv",
+    "store_kv_torch",
+]

@@ -1,0 +1,329 @@
+"""Triton paged attention for a whole step, with split-KV (flash-decoding) and its merge.
+
+Grid ``(num_tiles, num_kv_heads, num_splits)``. A tile is up to ``BLOCK_Q`` consecutive query
+tokens of one request; its ``BLOCK_M = BLOCK_Q * QUERIES_PER_KV`` rows are those tokens times
+the query heads sharing one KV head, so each K/V tile is loaded once for the whole group
+(rows packed as in vLLM's unified Triton attention). Row ``m`` of a tile::
+
+    token q_first + m // QUERIES_PER_KV,  head kv_head * QUERIES_PER_KV + m % QUERIES_PER_KV
+
+Its keys are ``[k_start, k_end)`` (causal end of its last token, window start of its first),
+walked in ``BLOCK_N`` tiles through the block table with an online softmax in log2 units. With
+``num_splits > 1`` (few tiles, long contexts: a decode batch of one still fills the GPU) split
+``s`` takes every ``num_splits``-th share of the key tiles and writes its unnormalised partial
+(acc, max, sum); ``_merge_splits_kernel`` combines them (Dao et al.'s flash-decoding).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kvcore_kernels.attention import check_attention_args
+from kvcore_kernels.errors import KernelConfigError
+from kvcore_kernels.plan import AttentionMetadata
+from kvcore_kernels.triton_util import check_triton_device, compute_dtype
+
+LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # sliding_window=None: every key is within the window
+MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in merging than it gains
+MAX_SPLITS = 64
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+MAX_QUERIES_PER_KV = 16
+
+
+@triton.jit(do_not_specialize=["sliding_window", "num_splits", "num_tokens"])
+def _paged_attention_kernel(
+    query_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
+    kv_cache_ptr,  # [num_blocks, 2, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    block_table_ptr,  # [num_reqs, max_blocks] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    tile_req_ptr,  # [num_tiles] int32: request of each query tile
+    tile_start_ptr,  # [num_tiles] int32: first query of the tile, counted within its request
+    alibi_slopes_ptr,  # [num_q_heads] fp32 (read only if USE_ALIBI)
+    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM] (written unless SPLIT_KV)
+    part_acc_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_DIM] fp32 (if SPLIT_KV)
+    part_max_ptr,  # [num_splits, num_tokens, num_q_heads] fp32, log2 units
+    part_sum_ptr,  # [num_splits, num_tokens, num_q_heads] fp32
+    qk_scale,  # scale * log2(e)
+    soft_cap,  # soft_cap * log2(e) (read only if USE_SOFTCAP)
+    sliding_window,  # NO_WINDOW when off
+    num_splits,  # grid axis 2; a runtime value, so split counts share one compiled kernel
+    num_tokens,
+    num_q_heads,
+    stride_query_tok,
+    stride_query_head,
+    stride_cache_block,
+    stride_cache_kv,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table_req,
+    stride_out_tok,
+    stride_out_head,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_KV: tl.constexpr,  # num_splits > 1: write partials for _merge_splits_kernel
+    USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = tl.load(tile_req_ptr + tile)
+    q_first = tl.load(tile_start_ptr + tile)
+    q_begin = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    q_idx = q_first + rows // QUERIES_PER_KV  # query index within the request
+    head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    row_ok = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_idx < q_len)
+    q_pos = ctx + q_idx  # [BLOCK_M] position in the sequence
+    tok = (q_begin + q_idx).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
+    q = tl.load(  # [BLOCK_M, HEAD_DIM]
+        query_ptr
+        + tok[:, None] * stride_query_tok
+        + head[:, None] * stride_query_head
+        + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    ).to(COMPUTE_DTYPE)
+    if USE_ALIBI:
+        slope = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+
+    last_q = tl.minimum(q_first + BLOCK_Q, q_len) - 1
+    k_end = ctx + last_q + 1
+    k_start = tl.maximum(ctx + q_first - sliding_window + 1, 0)
+    num_kv_tiles = tl.cdiv(k_end - k_start, BLOCK_N)
+    per_split = tl.cdiv(num_kv_tiles, num_splits)
+    t_begin = split * per_split
+    t_end = tl.minimum(t_begin + per_split, num_kv_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    cache_head = kv_cache_ptr + kv_head * stride_cache_head
+    for t in range(t_begin, t_end):
+        keys = k_start + t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
+        key_ok = keys < k_end
+        block = tl.load(
+            block_table_ptr + req * stride_table_req + keys // BLOCK_SIZE, mask=key_ok, other=0
+        ).to(tl.int64)
+        kv_offset = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
+        kv_ptrs = cache_head + kv_offset[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
+        k = tl.load(kv_ptrs, mask=key_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
+        v = tl.load(kv_ptrs + stride_cache_kv, mask=key_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if USE_SOFTCAP:
+            s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
+        if USE_ALIBI:
+            s += slope[:, None] * (keys[None, :] - q_pos[:, None]).to(tl.float32)
+        ok = (keys[None, :] <= q_pos[:, None]) & (q_pos[:, None] - keys[None, :] < sliding_window)
+        s = tl.where(ok & key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key seen yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if not SPLIT_KV:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0 only on padding rows
+        tl.store(
+            out_ptr
+            + tok[:, None] * stride_out_tok
+            + head[:, None] * stride_out_head
+            + dims[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+    else:
+        part = (split * num_tokens + tok) * num_q_heads + head  # [BLOCK_M] int64
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+def _merge_splits_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
+    part_acc_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_DIM] fp32
+    part_max_ptr,  # [num_splits, num_tokens, num_q_heads] fp32, log2 units
+    part_sum_ptr,  # [num_splits, num_tokens, num_q_heads] fp32
+    num_tokens,
+    num_q_heads,
+    num_splits,
+    stride_out_tok,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
+    split_ok = splits < num_splits
+    part = (splits * num_tokens + tok) * num_q_heads + head  # [SPLITS_PAD]
+    m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    l_s = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    m_all = tl.max(m, 0)  # finite: the split holding the query's own position saw a key
+    w = tl.exp2(m - m_all)  # [SPLITS_PAD], 0 for splits that saw no key
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(  # [SPLITS_PAD, HEAD_DIM]
+        part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0
+    )
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)  # the sum is >= 1
+    tl.store(
+        out_ptr + tok * stride_out_tok + head * stride_out_head + dims,
+        o.to(out_ptr.dtype.element_ty),
+    )
+
+
+def _tiles(meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Work list: (request, first query) of every tile, longest key range first (on device)."""
+    key = ("triton_tiles", block_q)
+    if key not in meta.cache:
+        q_lens = meta.host_q_lens
+        per_req = (q_lens + block_q - 1) // block_q
+        req = np.repeat(np.arange(meta.num_reqs), per_req)
+        first = (np.arange(len(req)) - np.repeat(np.cumsum(per_req) - per_req, per_req)) * block_q
+        k_end = meta.host_seq_lens[req] - q_lens[req] + np.minimum(first + block_q, q_lens[req])
+        order = np.argsort(-k_end, kind="stable")
+        meta.cache[key] = tuple(
+            torch.from_numpy(a[order].astype(np.int32)).to(meta.device) for a in (req, first)
+        )
+    return meta.cache[key]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small, so that tests reach the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
+    """Split the key range when the grid alone would leave the GPU half idle."""
+    target = 2 * _num_sms(device)
+    if num_programs >= target:
+        return 1
+    return max(1, min(-(-target // num_programs), max_seq_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton ``paged_attention`` (same contract as ``paged_attention_torch``)."""
+    shape = check_attention_args(
+        query, kv_cache, meta, scale, sliding_window, soft_cap, alibi_slopes, out
+    )
+    scale = float(scale)
+    sliding_window = None if sliding_window is None else int(sliding_window)
+    soft_cap = None if soft_cap is None else float(soft_cap)
+    check_triton_device(query, _paged_attention_kernel)
+    hq, hk, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+    group = hq // hk
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise KernelConfigError(f"Triton paged attention supports head_dim {SUPPORTED_HEAD_DIMS}")
+    if group > MAX_QUERIES_PER_KV:
+        raise KernelConfigError(
+            f"Triton paged attention supports <= {MAX_QUERIES_PER_KV} query "
+            f"heads per KV head, got {group}"
+        )
+    if out is None:
+        out = torch.empty_like(query)
+    if meta.num_tokens == 0:
+        return out
+    decode_only = meta.max_q_len == 1
+    wide = d > 128 or query.dtype == torch.float32
+    block_m = max(16, triton.next_power_of_2(group)) if decode_only else (64 if wide else 128)
+    block_n = 32 if wide else 64
+    block_q = block_m // group
+    tile_req, tile_start = _tiles(meta, block_q)
+    num_tiles = tile_req.shape[0]
+    splits = choose_num_splits(num_tiles * hk, meta.max_seq_len, query.device)
+    if splits > 1:
+        part_acc = torch.empty(
+            (splits, meta.num_tokens, hq, d), dtype=torch.float32, device=query.device
+        )
+        part_max = torch.empty(
+            (splits, meta.num_tokens, hq), dtype=torch.float32, device=query.device
+        )
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # never touched
+    _paged_attention_kernel[(num_tiles, hk, splits)](
+        query_ptr=query,
+        kv_cache_ptr=kv_cache,
+        block_table_ptr=meta.block_table,
+        query_start_loc_ptr=meta.query_start_loc,
+        seq_lens_ptr=meta.seq_lens,
+        tile_req_ptr=tile_req,
+        tile_start_ptr=tile_start,
+        alibi_slopes_ptr=alibi_slopes if alibi_slopes is not None else meta.seq_lens,
+        out_ptr=out,
+        part_acc_ptr=part_acc,
+        part_max_ptr=part_max,
+        part_sum_ptr=part_sum,
+        qk_scale=scale * LOG2E,
+        soft_cap=(soft_cap or 1.0) * LOG2E,
+        sliding_window=sliding_window if sliding_window is not None else NO_WINDOW,
+        num_tokens=meta.num_tokens,
+        num_q_heads=hq,
+        stride_query_tok=query.stride(0),
+        stride_query_head=query.stride(1),
+        stride_cache_block=kv_cache.stride(0),
+        stride_cache_kv=kv_cache.stride(1),
+        stride_cache_slot=kv_cache.stride(2),
+        stride_cache_head=kv_cache.stride(3),
+        stride_table_req=meta.block_table.stride(0),
+        stride_out_tok=out.stride(0),
+        stride_out_head=out.stride(1),
+        BLOCK_SIZE=shape.block_size,
+        HEAD_DIM=d,
+        QUERIES_PER_KV=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_splits=splits,
+        SPLIT_KV=splits > 1,
+        USE_SOFTCAP=soft_cap is not None,
+        USE_ALIBI=alibi_slopes is not None,
+        COMPUTE_DTYPE=compute_dtype(query.dtype, _paged_attention_kernel),
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4 if decode_only else 8,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(meta.num_tokens, hq)](
+            out_ptr=out,
+            part_acc_ptr=part_acc,
+            part_max_ptr=part_max,
+            part_sum_ptr=part_sum,
+            num_tokens=meta.num_tokens,
+            num_q_heads=hq,
+            num_splits=splits,
+            stride_out_tok=out.stride(0),
+            stride_out_head=out.stride(1),
+            HEAD_DIM=d,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+        )
+    return out

@@ -1,0 +1,13 @@
+"""Session-wide test hooks: tests marked ``cuda`` skip where torch sees no CUDA device."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
