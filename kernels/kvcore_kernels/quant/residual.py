@@ -1,0 +1,223 @@
+"""KIVI's full-precision residual: which blocks are still in the model dtype, and where.
+
+KIVI quantizes keys per channel over a block's tokens, so a block can only be quantized once it
+is full. Until then its tokens live in a small pool of model-dtype blocks (the residual), shared
+by every KIVI layer of a model (block ids are the same in every layer)::
+
+    stage_of_block[b] = s >= 0   block b's tokens are in residual slot s (model dtype)
+                      = -1       block b is quantized (or was never written)
+
+Per step, ONE host plan (``plan_store``, made by the first layer's store and reused by the
+others) decides, from the step's slot mapping alone:
+
+    direct     blocks the step writes from offset 0 to the end: quantized straight from K/V
+    staged     every other written block: tokens go to its residual slot (one is assigned;
+               a quantized block written past offset 0, e.g. after copy-on-write, is first
+               decoded into it: "restage")
+    finalize   staged blocks that became full: quantized from the residual, slot freed
+    evict      when the pool is out of slots, the least recently written staged blocks that
+               the step does not touch are quantized as they are (partial: key statistics
+               over their ``fill`` valid rows) and their slots reused
+
+With a window of ``W`` blocks (``kivi_window``), a request's last ``W`` full blocks stay staged
+too; that needs the step's ``AttentionMetadata`` (block tables and sequence lengths). Blocks of
+finished requests simply age out of the pool by eviction, so no release call is needed; an
+undersized pool costs quality (early quantization), never correctness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcore_kernels.errors import KernelConfigError
+
+
+@dataclass(eq=False)
+class StorePlan:
+    """One step's residual decisions (device int64 tensors; empty when nothing to do)."""
+
+    evict_blocks: torch.Tensor  # [ne] blocks quantized first (partial), slots reused
+    evict_slots: torch.Tensor  # [ne]
+    evict_fills: torch.Tensor  # [ne] valid rows of each
+    restage_blocks: torch.Tensor  # [nr] quantized blocks decoded into...
+    restage_slots: torch.Tensor  # [nr] ...these residual slots before the writes
+    stage_tokens: torch.Tensor  # [ns] tokens written to the residual...
+    stage_slots: torch.Tensor  # [ns] ...at (slot, offset)
+    stage_offsets: torch.Tensor  # [ns]
+    direct_blocks: torch.Tensor  # [nd] blocks the step fills completely
+    direct_tokens: torch.Tensor  # [nd * bs] token of each (block, offset), row-major
+    final_blocks: torch.Tensor  # [nf] staged blocks quantized after the writes
+    final_slots: torch.Tensor  # [nf]
+
+
+class ResidualState:
+    """Host bookkeeping of the residual pool, shared by all KIVI layers of one model."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, num_slots: int, window: int, device: torch.device
+    ):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_slots, self.window, self.device = num_slots, window, device
+        self.stage_of_block = np.full(num_blocks, -1, dtype=np.int64)
+        self.block_of_slot = np.full(num_slots, -1, dtype=np.int64)
+        self.fill = np.zeros(num_blocks, dtype=np.int64)  # valid rows of each block
+        self.last_use = np.zeros(num_slots, dtype=np.int64)
+        self.clock = 0
+        self.device_map = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+        self._plan: StorePlan | None = None
+        self._plan_key: tuple[int, int] | None = None
+        self._plan_src: torch.Tensor | None = None  # keeps the keyed tensor alive (id reuse)
+        self._plan_users: set[int] = set()
+
+    def plan_for(self, layer: object, slot_mapping: torch.Tensor, meta: object) -> StorePlan:
+        """The step's plan: made on the first layer's call, reused by the other layers.
+
+        A call is a new step when ``slot_mapping`` is another tensor (or was modified in place)
+        or when ``layer`` already used the current plan.
+        """
+        key = (id(slot_mapping), slot_mapping._version)
+        if self._plan is None or key != self._plan_key or id(layer) in self._plan_users:
+            self._plan = self._make_plan(slot_mapping, meta)
+            self._plan_key, self._plan_src, self._plan_users = key, slot_mapping, set()
+        self._plan_users.add(id(layer))
+        return self._plan
+
+    def _window_blocks(self, meta: object) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks kept staged by the window, blocks of those requests past it)."""
+        if self.window == 0:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        if meta is None or not hasattr(meta, "host_block_table"):
+            raise KernelConfigError("kivi_window > 0 needs the step's meta in store_kv_quant")
+        table, lens = meta.host_block_table, meta.host_seq_lens
+        n_full = lens // self.block_size
+        cols = np.arange(table.shape[1])[None, :]
+        keep = (cols < n_full[:, None]) & (cols >= n_full[:, None] - self.window)
+        old = cols < (n_full - self.window)[:, None]
+        return table[keep], table[old]
+
+    def _make_plan(self, slot_mapping: torch.Tensor, meta: object) -> StorePlan:
+        bs = self.block_size
+        slots = slot_mapping.detach().to("cpu", torch.int64).numpy()
+        if slots.size and int(slots.max()) >= self.num_blocks * bs:
+            raise KernelConfigError(f"slot {int(slots.max())} is past the cache's end")
+        in_window, past_window = self._window_blocks(meta)
+        tok = np.flatnonzero(slots >= bs)
+        uniq, first = np.unique(slots[tok[::-1]], return_index=True)  # one writer per slot
+        tok = tok[::-1][first]
+        blk, off = uniq // bs, uniq % bs
+        ub, inv = np.unique(blk, return_inverse=True)
+        count = np.bincount(inv, minlength=len(ub))
+        min_off = np.full(len(ub), bs, np.int64)
+        np.minimum.at(min_off, inv, off)
+        new_fill = np.zeros(len(ub), np.int64)
+        np.maximum.at(new_fill, inv, off + 1)
+        was_staged = self.stage_of_block[ub] >= 0
+        windowed = np.isin(ub, in_window)
+        direct = (count == bs) & ~windowed
+        staged = ~direct
+        restage = staged & ~was_staged & (min_off > 0)
+
+        # Residual slots: keep held ones, free those of direct blocks, allocate the rest.
+        stage_of_block = self.stage_of_block.copy()
+        block_of_slot = self.block_of_slot.copy()
+        drop = ub[direct & was_staged]
+        block_of_slot[stage_of_block[drop]] = -1
+        stage_of_block[drop] = -1
+        need = ub[staged & ~was_staged]
+        free = np.flatnonzero(block_of_slot < 0)
+        evict_slots = np.empty(0, np.int64)
+        if len(need) > len(free):
+            holders = np.flatnonzero(block_of_slot >= 0)
+            holders = holders[~np.isin(block_of_slot[holders], ub)]
+            short = len(need) - len(free)
+            if short > len(holders):
+                raise KernelConfigError(
+                    f"the KIVI residual pool has {self.num_slots} slots but this step writes "
+                    f"{int(staged.sum())} blocks that stay partial: allocate a larger pool"
+                )
+            evict_slots = holders[np.argsort(self.last_use[holders], kind="stable")[:short]]
+            free = np.concatenate([free, evict_slots])
+        evict_blocks = block_of_slot[evict_slots]
+        stage_of_block[evict_blocks] = -1
+        got = free[: len(need)]
+        stage_of_block[need] = got
+        block_of_slot[got] = need
+
+        full = new_fill == bs
+        done = staged & full & ~windowed
+        final_blocks = ub[done]
+        old = np.setdiff1d(past_window, np.concatenate([ub, in_window]))
+        old = old[stage_of_block[old] >= 0]
+        final_blocks = np.concatenate([final_blocks, old])
+        final_slots = stage_of_block[final_blocks]
+
+        # Token routing.
+        tok_staged = staged[inv]
+        direct_idx = np.cumsum(direct) - 1
+        direct_tokens = np.empty(int(direct.sum()) * bs, np.int64)
+        sel = ~tok_staged
+        direct_tokens[direct_idx[inv[sel]] * bs + off[sel]] = tok[sel]
+        plan = StorePlan(
+            *map(
+                self._dev,
+                (
+                    evict_blocks,
+                    evict_slots,
+                    self.fill[evict_blocks],
+                    ub[restage],
+                    stage_of_block[ub[restage]],
+                    tok[tok_staged],
+                    stage_of_block[blk[tok_staged]],
+                    off[tok_staged],
+                    ub[direct],
+                    direct_tokens,
+                    final_blocks,
+                    final_slots,
+                ),
+            )
+        )
+        # Commit the host state (nothing above raised).
+        self.clock += 1
+        self.last_use[stage_of_block[ub[staged]]] = self.clock
+        block_of_slot[final_slots] = -1
+        stage_of_block[final_blocks] = -1
+        self.stage_of_block, self.block_of_slot = stage_of_block, block_of_slot
+        self.fill[ub] = new_fill
+        self._push_map()
+        return plan
+
+    def plan_copy(self, src: np.ndarray, dst: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy-on-write of blocks ``src -> dst``: staged sources get a slot for ``dst``.
+
+        Returns ``(from_slots, to_slots)`` residual copies to apply in every KIVI layer (after
+        the block rows are copied). Raises (changing nothing) if the pool has no free slot.
+        """
+        staged = self.stage_of_block[src] >= 0
+        stage_of_block = self.stage_of_block.copy()
+        block_of_slot = self.block_of_slot.copy()
+        old = stage_of_block[dst]  # a destination's own residual content is overwritten
+        block_of_slot[old[old >= 0]] = -1
+        stage_of_block[dst] = -1
+        free = np.flatnonzero(block_of_slot < 0)
+        if int(staged.sum()) > len(free):
+            raise KernelConfigError("the KIVI residual pool has no free slot for a copied block")
+        to_slots = free[: int(staged.sum())]
+        stage_of_block[dst[staged]] = to_slots
+        block_of_slot[to_slots] = dst[staged]
+        from_slots = self.stage_of_block[src[staged]]
+        self.stage_of_block, self.block_of_slot = stage_of_block, block_of_slot
+        self.fill[dst] = self.fill[src]
+        self.clock += 1
+        self.last_use[to_slots] = self.clock
+        self._push_map()
+        self._plan = None  # the next store is a new step
+        return self._dev(from_slots), self._dev(to_slots)
+
+    def _dev(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+
+    def _push_map(self) -> None:
+        self.device_map.copy_(torch.from_numpy(self.stage_of_block.astype(np.int32)))
