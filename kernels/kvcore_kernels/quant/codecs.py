@@ -51,6 +51,24 @@ def fp8_max(fmt: KVFormat) -> float:
     return float(torch.finfo(fmt.fp8_dtype).max)
 
 
+FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits, min exp
+MAGIC = 12582912.0  # 1.5 * 2**23: (y + MAGIC) - MAGIC rounds y to an integer, half to even
+
+
+def fp8_round(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round fp32 ``y`` (already within the format's range) to the nearest FP8 value, ties to
+    even, in fp32 arithmetic, so the cast that follows is exact. Done by hand (bits for normal
+    numbers, a magic-number add for subnormals) so that every backend rounds identically."""
+    mant, min_exp = FP8_GRID[dtype]
+    drop = 23 - mant
+    bits = y.view(torch.int32)
+    lsb = (bits >> drop) & 1
+    normal = ((bits + (1 << (drop - 1)) - 1 + lsb) >> drop << drop).view(torch.float32)
+    step = 2.0 ** (min_exp - mant)  # subnormal spacing
+    sub = ((y / step + MAGIC) - MAGIC) * step
+    return torch.where(y.abs() >= 2.0**min_exp, normal, sub)
+
+
 def fp8_calibrate(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
     """float32 ``[H]`` scales from a calibration sample ``x: [T, H, D]`` (per head or tensor)."""
     amax = x.float().abs().amax(dim=(0, 2))  # [H]
@@ -70,7 +88,8 @@ def encode_tokens(fmt: KVFormat, x: torch.Tensor, fp8_scale: torch.Tensor | None
     if fmt.kind == "fp8":
         assert fp8_scale is not None
         limit = fp8_max(fmt)
-        return {"data": (x / fp8_scale[:, None]).clamp(-limit, limit).to(fmt.fp8_dtype)}
+        y = (x / fp8_scale[:, None]).clamp(-limit, limit)
+        return {"data": fp8_round(y, fmt.fp8_dtype).to(fmt.fp8_dtype)}
     if fmt.kind == "int8":
         s = _scale16(x.abs().amax(-1) / 127.0)  # [T, H]
         q = rnd(x / s[..., None]).clamp(-127, 127).to(torch.int8)

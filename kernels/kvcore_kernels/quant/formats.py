@@ -219,3 +219,26 @@ def bytes_per_token(
     if not fmt.quantized:
         return 2.0 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     return block_layout(fmt, block_size, num_kv_heads, head_dim).block_bytes / block_size
+
+
+# Kernel-facing encoding of a format: one integer kind and the byte offsets of up to five regions.
+KIND_FP8_E4M3, KIND_FP8_E5M2, KIND_INT8, KIND_INT4, KIND_INT2, KIND_KIVI = range(6)
+_META_REGIONS = (("scale", "kmin"), ("zero", "min", "kcode"), ("vscale",), ("vmin",))
+
+
+def kernel_kind(fmt: KVFormat) -> int:
+    """The ``KIND`` constexpr the Triton kernels branch on."""
+    if fmt.kind == "fp8":
+        return KIND_FP8_E5M2 if fmt.fp8_dtype == torch.float8_e5m2 else KIND_FP8_E4M3
+    if fmt.kind == "intg":
+        return KIND_INT4 if fmt.bits == 4 else KIND_INT2
+    return {"int8": KIND_INT8, "kivi": KIND_KIVI}[fmt.kind]
+
+
+def region_offsets(layout: BlockLayout) -> tuple[int, int, int, int, int]:
+    """Byte offsets in a block row of: data, scale|kmin, zero|min|kcode, vscale, vmin (0 if
+    the format has no such region)."""
+    offsets = [layout.regions["data"].offset]
+    for names in _META_REGIONS:
+        offsets.append(next((layout.regions[n].offset for n in names if n in layout.regions), 0))
+    return tuple(offsets)  # type: ignore[return-value]
