@@ -85,8 +85,12 @@ def _load_tile(
     else:
         per: tl.constexpr = 8 // BITS
         width: tl.constexpr = HEAD_DIM // per
-        byte = tl.load(row[:, None] + DATA_OFF + sh[:, None] * width + (dims // per)[None, :], mask=m2)
-        q = ((byte.to(tl.int32) >> ((dims % per) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        byte = tl.load(
+            row[:, None] + DATA_OFF + sh[:, None] * width + (dims // per)[None, :], mask=m2
+        )
+        q = ((byte.to(tl.int32) >> ((dims % per) * BITS)[None, :]) & ((1 << BITS) - 1)).to(
+            tl.float32
+        )
         if KIND <= 4:  # int4 / int2: per token, groups along the head dim
             g = sh[:, None] * (HEAD_DIM // GROUP) + (dims // GROUP)[None, :]  # [BLOCK_N, D]
             s = tl.load((row[:, None] + META0_OFF).to(tl.pointer_type(tl.float16)) + g, mask=m2)
@@ -94,12 +98,16 @@ def _load_tile(
                 z = tl.load(row[:, None] + META1_OFF + g, mask=m2).to(tl.float32)
                 x = (q - z) * s.to(tl.float32)
             else:
-                lo = tl.load((row[:, None] + META1_OFF).to(tl.pointer_type(tl.float16)) + g, mask=m2)
+                lo = tl.load(
+                    (row[:, None] + META1_OFF).to(tl.pointer_type(tl.float16)) + g, mask=m2
+                )
                 x = q * s.to(tl.float32) + lo.to(tl.float32)
         else:  # kivi
             if KV == 0:  # per channel of the block
                 ch = kv_head * HEAD_DIM + dims[None, :]
-                lo = tl.load((row[:, None] + META0_OFF).to(tl.pointer_type(tl.float16)) + ch, mask=m2)
+                lo = tl.load(
+                    (row[:, None] + META0_OFF).to(tl.pointer_type(tl.float16)) + ch, mask=m2
+                )
                 code = tl.load(row[:, None] + META1_OFF + ch, mask=m2).to(tl.int32)
                 bits = (((code >> 3) - KCODE_EXP_BIAS + 127) << 23) | ((code & 7) << 20)
                 x = q * bits.to(tl.float32, bitcast=True) + lo.to(tl.float32)
@@ -196,7 +204,10 @@ def _paged_attention_quant_kernel(
     tok = (q_begin + q_idx).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(  # [BLOCK_M, HEAD_DIM]
-        query_ptr + tok[:, None] * stride_query_tok + head[:, None] * stride_query_head + dims[None, :],
+        query_ptr
+        + tok[:, None] * stride_query_tok
+        + head[:, None] * stride_query_head
+        + dims[None, :],
         mask=row_ok[:, None],
         other=0.0,
     ).to(COMPUTE_DTYPE)
@@ -221,14 +232,62 @@ def _paged_attention_quant_kernel(
             block_table_ptr + req * stride_table_req + keys // BLOCK_SIZE, mask=key_ok, other=0
         ).to(tl.int64)
         pos = keys % BLOCK_SIZE
-        k = _load_tile(buf_ptr, fp8_scale_ptr, residual_ptr, stage_ptr, block, pos, key_ok, kv_head,
-                       block_bytes, stride_res_slot, stride_res_kv, stride_res_pos, stride_res_head,
-                       0, KIND, BITS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, GROUP, DATA_OFF,
-                       META0_OFF, META1_OFF, META2_OFF, META3_OFF, KCODE_EXP_BIAS)  # fmt: skip
-        v = _load_tile(buf_ptr, fp8_scale_ptr, residual_ptr, stage_ptr, block, pos, key_ok, kv_head,
-                       block_bytes, stride_res_slot, stride_res_kv, stride_res_pos, stride_res_head,
-                       1, KIND, BITS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, GROUP, DATA_OFF,
-                       META0_OFF, META1_OFF, META2_OFF, META3_OFF, KCODE_EXP_BIAS)  # fmt: skip
+        k = _load_tile(
+            buf_ptr,
+            fp8_scale_ptr,
+            residual_ptr,
+            stage_ptr,
+            block,
+            pos,
+            key_ok,
+            kv_head,
+            block_bytes,
+            stride_res_slot,
+            stride_res_kv,
+            stride_res_pos,
+            stride_res_head,
+            0,
+            KIND,
+            BITS,
+            BLOCK_SIZE,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            GROUP,
+            DATA_OFF,
+            META0_OFF,
+            META1_OFF,
+            META2_OFF,
+            META3_OFF,
+            KCODE_EXP_BIAS,
+        )
+        v = _load_tile(
+            buf_ptr,
+            fp8_scale_ptr,
+            residual_ptr,
+            stage_ptr,
+            block,
+            pos,
+            key_ok,
+            kv_head,
+            block_bytes,
+            stride_res_slot,
+            stride_res_kv,
+            stride_res_pos,
+            stride_res_head,
+            1,
+            KIND,
+            BITS,
+            BLOCK_SIZE,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            GROUP,
+            DATA_OFF,
+            META0_OFF,
+            META1_OFF,
+            META2_OFF,
+            META3_OFF,
+            KCODE_EXP_BIAS,
+        )
         k = k.to(COMPUTE_DTYPE)
         v = v.to(COMPUTE_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -249,7 +308,10 @@ def _paged_attention_quant_kernel(
     if not SPLIT_KV:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
-            out_ptr + tok[:, None] * stride_out_tok + head[:, None] * stride_out_head + dims[None, :],
+            out_ptr
+            + tok[:, None] * stride_out_tok
+            + head[:, None] * stride_out_head
+            + dims[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None],
         )

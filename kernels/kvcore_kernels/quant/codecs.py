@@ -103,7 +103,11 @@ def encode_tokens(fmt: KVFormat, x: torch.Tensor, fp8_scale: torch.Tensor | None
         s = _scale16((hi - lo) / levels)
         z = rnd(-lo / s).clamp(0, levels)
         q = (rnd(xg / s[..., None]) + z[..., None]).clamp(0, levels)
-        return {"data": pack_codes(q.view(t, h, d), 4), "scale": s.half(), "zero": z.to(torch.uint8)}
+        return {
+            "data": pack_codes(q.view(t, h, d), 4),
+            "scale": s.half(),
+            "zero": z.to(torch.uint8),
+        }
     lo = xg.amin(-1).clamp(-FP16_MAX, FP16_MAX).half().float()
     s = _scale16((xg.amax(-1) - lo) / levels)
     q = rnd((xg - lo[..., None]) / s[..., None]).clamp(0, levels)

@@ -30,10 +30,11 @@ int8 64+2 per K or V = 0.516 (an fp32 scale would be 0.531, over the 0.53 target
 an fp16 scale and an fp16 zero is 0.3125, with a uint8 zero point 0.297; kivi2 with an fp16
 scale and min per key channel per block is 0.203, so the key scale is an unsigned 8-bit float
 (5 exponent bits, bias 16, 3 mantissa bits: 2^-16 .. 61440) rounded up so the block's range is
-always covered (at most 12.5% coarser than exact), beside an exact fp16 minimum: 0.1875. The int2 baseline spends the same 0.1875 on fp16 scale
-and min per group of 32. KIVI's partial last block (and an optional window of recent full
-blocks) is kept in the model dtype in a small residual pool (``kvcore_kernels.quant.residual``),
-counted per request by the capacity planner, not per token.
+always covered (at most 12.5% coarser than exact), beside an exact fp16 minimum: 0.1875. The
+int2 baseline spends the same 0.1875 on an fp16 scale and min per group of 32. KIVI's partial
+last block (and an optional window of recent full blocks) is kept in the model dtype in a small
+residual pool (``kvcore_kernels.quant.residual``), counted per request by the capacity planner,
+not per token.
 """
 
 from __future__ import annotations
@@ -182,7 +183,9 @@ def block_layout(fmt: KVFormat, block_size: int, num_kv_heads: int, head_dim: in
         raise KernelConfigError("the model-dtype format has no quantized block layout")
     packed = d * fmt.bits // 8 if fmt.bits < 8 else d
     data_dtype = {"fp8": fmt.fp8_dtype, "int8": torch.int8}.get(fmt.kind, torch.uint8)
-    specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [("data", (2, bs, h, packed), data_dtype)]
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [
+        ("data", (2, bs, h, packed), data_dtype)
+    ]
     if fmt.kind == "int8":
         specs.append(("scale", (2, bs, h), torch.float16))
     elif fmt.kind == "intg":

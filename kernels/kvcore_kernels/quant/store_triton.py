@@ -78,7 +78,9 @@ def _encode_token(
             code = _fp8_round(y, 3, -6).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
             code = _fp8_round(y, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
-        tl.store(row_ptr + DATA_OFF + sh[:, None] * HEAD_DIM + dims[None, :], code, mask=ok[:, None])
+        tl.store(
+            row_ptr + DATA_OFF + sh[:, None] * HEAD_DIM + dims[None, :], code, mask=ok[:, None]
+        )
     elif KIND == 2:  # int8 symmetric, fp16 scale per token per head
         s16 = tl.minimum(tl.maximum(tl.max(tl.abs(x), 1) / 127.0, 6.103515625e-05), 65504.0)
         s16 = s16.to(tl.float16)
@@ -166,10 +168,44 @@ def _store_tokens_kernel(
     ).to(tl.float32)
     sh_k = offset * NUM_KV_HEADS + heads
     sh_v = (BLOCK_SIZE + offset) * NUM_KV_HEADS + heads
-    _encode_token(k, ok, row_ptr, sh_k, fp8_scale_ptr, heads, 0, NUM_KV_HEADS, HEAD_DIM,
-                  HEADS_PAD, KIND, BITS, GROUP, DATA_OFF, META0_OFF, META1_OFF, FP8_MAX)  # fmt: skip
-    _encode_token(v, ok, row_ptr, sh_v, fp8_scale_ptr, heads, 1, NUM_KV_HEADS, HEAD_DIM,
-                  HEADS_PAD, KIND, BITS, GROUP, DATA_OFF, META0_OFF, META1_OFF, FP8_MAX)  # fmt: skip
+    _encode_token(
+        k,
+        ok,
+        row_ptr,
+        sh_k,
+        fp8_scale_ptr,
+        heads,
+        0,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        HEADS_PAD,
+        KIND,
+        BITS,
+        GROUP,
+        DATA_OFF,
+        META0_OFF,
+        META1_OFF,
+        FP8_MAX,
+    )
+    _encode_token(
+        v,
+        ok,
+        row_ptr,
+        sh_v,
+        fp8_scale_ptr,
+        heads,
+        1,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        HEADS_PAD,
+        KIND,
+        BITS,
+        GROUP,
+        DATA_OFF,
+        META0_OFF,
+        META1_OFF,
+        FP8_MAX,
+    )
 
 
 def store_tokens_triton(
