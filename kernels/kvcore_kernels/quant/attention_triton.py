@@ -7,7 +7,7 @@ an online softmax over ``BLOCK_N``-key tiles. Only ``_load_tile`` differs: it re
 codes and scales from the block rows (``formats`` layouts) and returns it in fp32::
 
     fp8    code * s[kv, head]                       int8   code * s[token]
-    int4   (code - z[token, group]) * s[...]        int2   code * s[token, group] + min[...]
+    int4   code * s[token, group] + min[...]        int2   the same (s: e5m3 code / fp16)
     kivi   K: code * s[block, channel] + min[...];  V: code * s[token] + min[token]
            rows of blocks still in the residual come from it, in the model dtype
 """
@@ -91,17 +91,17 @@ def _load_tile(
         q = ((byte.to(tl.int32) >> ((dims % per) * BITS)[None, :]) & ((1 << BITS) - 1)).to(
             tl.float32
         )
-        if KIND <= 4:  # int4 / int2: per token, groups along the head dim
+        if KIND <= 4:  # int4 / int2: per token, groups along the head dim; fp16 min
             g = sh[:, None] * (HEAD_DIM // GROUP) + (dims // GROUP)[None, :]  # [BLOCK_N, D]
-            s = tl.load((row[:, None] + META0_OFF).to(tl.pointer_type(tl.float16)) + g, mask=m2)
             if KIND == 3:
-                z = tl.load(row[:, None] + META1_OFF + g, mask=m2).to(tl.float32)
-                x = (q - z) * s.to(tl.float32)
+                code = tl.load(row[:, None] + META0_OFF + g, mask=m2).to(tl.int32)
+                bits = (((code >> 3) - KCODE_EXP_BIAS + 127) << 23) | ((code & 7) << 20)
+                s = bits.to(tl.float32, bitcast=True)
             else:
-                lo = tl.load(
-                    (row[:, None] + META1_OFF).to(tl.pointer_type(tl.float16)) + g, mask=m2
-                )
-                x = q * s.to(tl.float32) + lo.to(tl.float32)
+                s = tl.load((row[:, None] + META0_OFF).to(tl.pointer_type(tl.float16)) + g, mask=m2)
+                s = s.to(tl.float32)
+            lo = tl.load((row[:, None] + META1_OFF).to(tl.pointer_type(tl.float16)) + g, mask=m2)
+            x = q * s + lo.to(tl.float32)
         else:  # kivi
             if KV == 0:  # per channel of the block
                 ch = kv_head * HEAD_DIM + dims[None, :]

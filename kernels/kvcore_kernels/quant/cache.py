@@ -15,6 +15,7 @@ import torch
 
 from kvcore_kernels.cache import allocate_kv_cache
 from kvcore_kernels.errors import KernelConfigError
+from kvcore_kernels.quant.codecs import rotation_matrix
 from kvcore_kernels.quant.formats import BlockLayout, KVFormat, block_layout, check_format
 from kvcore_kernels.quant.residual import ResidualState
 
@@ -26,7 +27,8 @@ class QuantKVCache:
     """One layer's quantized paged KV cache: ``buffer`` uint8 ``[num_blocks, block_bytes]``.
 
     ``views[name]`` are typed views ``[num_blocks, *region.shape]`` of the buffer's regions
-    (``formats`` docstring). FP8 keeps per-layer scales ``fp8_scale`` float32 ``[2, H]`` (K, V)
+    (``formats`` docstring). With ``rotate`` the stored K (and/or V) are ``x @ rotation``.
+    FP8 keeps per-layer scales ``fp8_scale`` float32 ``[2, H]`` (K, V)
     set by the first store unless given. KIVI keeps ``residual`` ``[num_slots, 2, bs, H, D]``
     in the model dtype and the ``ResidualState`` shared by the model's KIVI layers.
     """
@@ -39,6 +41,8 @@ class QuantKVCache:
     buffer: torch.Tensor
     layout: BlockLayout
     views: dict[str, torch.Tensor] = field(repr=False)
+    rotate: str = ""  # "k" / "v" / "kv": which of K and V are stored rotated by ``rotation``
+    rotation: torch.Tensor | None = None  # float32 [D, D] orthonormal (formats docstring)
     fp8_scale: torch.Tensor | None = None
     fp8_calibrated: bool = False
     residual: torch.Tensor | None = None
@@ -60,6 +64,20 @@ class QuantKVCache:
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
+
+    def rotate_in(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """``x @ rotation`` in ``x``'s dtype if ``which`` ("k" or "v") is rotated, else ``x``."""
+        if which not in self.rotate:
+            return x
+        assert self.rotation is not None
+        return (x.float() @ self.rotation).to(x.dtype)
+
+    def rotate_out(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """The inverse of ``rotate_in`` (``x @ rotation.T``)."""
+        if which not in self.rotate:
+            return x
+        assert self.rotation is not None
+        return (x.float() @ self.rotation.T).to(x.dtype)
 
     def read_blocks(self, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
         """Region tensors ``[len(blocks), ...]`` of the given blocks (a gather, not a copy
@@ -107,13 +125,15 @@ def allocate_kv_caches(
     fp8_scales: float | torch.Tensor | None = None,
     num_residual_blocks: int | None = None,
     kivi_window: int = 0,
+    rotate: str | None = None,
 ) -> list[torch.Tensor | QuantKVCache]:
     """Allocate every layer's cache; every check runs before the first byte is allocated.
 
     ``formats``: one name or one per layer. ``fp8_scales``: None (calibrate on the first
     store), a number, or float32 ``[2, H]`` / ``[num_layers, 2, H]`` (K then V, per head).
     ``num_residual_blocks``: KIVI residual slots (default ``256 * (1 + kivi_window)``, capped at
-    ``num_blocks``), about one per running request per ``(1 + kivi_window)``.
+    ``num_blocks``), about one per running request per ``(1 + kivi_window)``. ``rotate``:
+    None keeps each format's own key/value rotation, "" turns it off, "k" / "v" / "kv" set it.
     """
     device = torch.device(device)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
@@ -130,6 +150,9 @@ def allocate_kv_caches(
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise KernelConfigError(f"{name} must be an int >= {low}, got {value!r}")
     scales = _check_fp8_scales(fp8_scales, num_layers, num_kv_heads)
+    if rotate is not None and rotate not in ("", "k", "v", "kv"):
+        raise KernelConfigError(f"rotate must be None, '', 'k', 'v' or 'kv', got {rotate!r}")
+    rotation = None
     state = None
     if any(f.kind == "kivi" for f in fmts):
         slots = num_residual_blocks
@@ -150,6 +173,11 @@ def allocate_kv_caches(
         cache = QuantKVCache(
             fmt, block_size, num_kv_heads, head_dim, dtype, buffer, layout, _views(buffer, layout)
         )
+        cache.rotate = fmt.rotate if rotate is None else rotate
+        if cache.rotate:
+            if rotation is None:
+                rotation = rotation_matrix(head_dim).to(device)
+            cache.rotation = rotation
         if fmt.kind == "fp8":
             given = scales[layer] if scales is not None else None
             cache.fp8_scale = (

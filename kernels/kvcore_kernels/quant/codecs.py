@@ -14,7 +14,23 @@ from kvcore_kernels.quant.formats import GROUP, KCODE_EXP_BIAS, KCODE_MAX, KCODE
 
 FP16_TINY = 2.0**-14  # smallest normal fp16: the floor of every stored scale
 FP16_MAX = 65504.0
-FP8_MARGIN = 2.0  # calibrated fp8 scales leave this much headroom above the calibration amax
+FP8_MARGIN = 4.0  # calibrated fp8 scales leave this much headroom above the calibration amax
+# (a short first prefill underestimates the range; fp8's relative precision does not depend on
+# the scale, so headroom costs only the 2 smallest of ~15 binades)
+
+
+def rotation_matrix(dim: int, seed: int = 0) -> torch.Tensor:
+    """float32 ``[dim, dim]`` orthonormal: seeded random sign flips, then a Hadamard transform
+    (a seeded random orthogonal matrix when ``dim`` is not a power of two)."""
+    gen = torch.Generator().manual_seed(seed)
+    if dim & (dim - 1) == 0:
+        h = torch.ones(1, 1)
+        while h.shape[0] < dim:  # Sylvester's construction
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (dim,), generator=gen).float() * 2 - 1
+        return signs[:, None] * h / dim**0.5  # flip input signs, then mix
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=gen))
+    return q * torch.sign(torch.diagonal(r))[None, :]
 
 
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -81,8 +97,8 @@ def fp8_calibrate(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
 def encode_tokens(fmt: KVFormat, x: torch.Tensor, fp8_scale: torch.Tensor | None = None):
     """Encode ``x: [T, H, D]``; returns the region tensors with a leading ``[T, ...]``.
 
-    fp8: ``data``; int8: ``data, scale``; int4: ``data, scale, zero``; int2: ``data, scale,
-    min``. ``fp8_scale``: float32 ``[H]`` (fp8 only).
+    fp8: ``data``; int8: ``data, scale``; int4 / int2: ``data, scale, min`` (int4's scale is
+    an e5m3 code). ``fp8_scale``: float32 ``[H]`` (fp8 only).
     """
     x = x.float()
     if fmt.kind == "fp8":
@@ -97,21 +113,15 @@ def encode_tokens(fmt: KVFormat, x: torch.Tensor, fp8_scale: torch.Tensor | None
     t, h, d = x.shape
     xg = x.view(t, h, d // GROUP, GROUP)
     levels = (1 << fmt.bits) - 1
-    if fmt.bits == 4:  # range includes 0 so that the integer zero point is exact
-        lo = xg.amin(-1).clamp(max=0.0)
-        hi = xg.amax(-1).clamp(min=0.0)
-        s = _scale16((hi - lo) / levels)
-        z = rnd(-lo / s).clamp(0, levels)
-        q = (rnd(xg / s[..., None]) + z[..., None]).clamp(0, levels)
-        return {
-            "data": pack_codes(q.view(t, h, d), 4),
-            "scale": s.half(),
-            "zero": z.to(torch.uint8),
-        }
     lo = xg.amin(-1).clamp(-FP16_MAX, FP16_MAX).half().float()
-    s = _scale16((xg.amax(-1) - lo) / levels)
+    if fmt.bits == 4:
+        code = kcode_encode((xg.amax(-1) - lo) / levels)
+        s = kcode_to_scale(code)
+    else:
+        s = _scale16((xg.amax(-1) - lo) / levels)
+        code = s.half()
     q = rnd((xg - lo[..., None]) / s[..., None]).clamp(0, levels)
-    return {"data": pack_codes(q.view(t, h, d), fmt.bits), "scale": s.half(), "min": lo.half()}
+    return {"data": pack_codes(q.view(t, h, d), fmt.bits), "scale": code, "min": lo.half()}
 
 
 def decode_tokens(fmt: KVFormat, parts: dict, fp8_scale: torch.Tensor | None = None):
@@ -125,16 +135,14 @@ def decode_tokens(fmt: KVFormat, parts: dict, fp8_scale: torch.Tensor | None = N
     q = unpack_codes(data, fmt.bits).float()
     t, h, d = q.shape
     qg = q.view(t, h, d // GROUP, GROUP)
-    s = parts["scale"].float()[..., None]
-    if fmt.bits == 4:
-        return ((qg - parts["zero"].float()[..., None]) * s).view(t, h, d)
-    return (qg * s + parts["min"].float()[..., None]).view(t, h, d)
+    s = kcode_to_scale(parts["scale"]) if fmt.bits == 4 else parts["scale"].float()
+    return (qg * s[..., None] + parts["min"].float()[..., None]).view(t, h, d)
 
 
 def kcode_encode(scale: torch.Tensor) -> torch.Tensor:
-    """KIVI key scales (float32 > 0) to uint8 codes, an unsigned 8-bit float: 5 exponent bits
-    (bias ``KCODE_EXP_BIAS``) and 3 mantissa bits, rounded UP so the encoded range covers the
-    block's (at most 12.5% coarser than exact). Built from fp32 bits: exact everywhere."""
+    """Scales (float32 >= 0; KIVI keys, int4) to uint8 codes, an unsigned 8-bit float: 5
+    exponent bits (bias ``KCODE_EXP_BIAS``) and 3 mantissa bits, rounded UP so the encoded range
+    covers the group's (at most 12.5% coarser than exact). Exact everywhere (fp32 bits)."""
     bits = scale.float().clamp(KCODE_MIN, KCODE_MAX).view(torch.int32)
     bits = (bits + ((1 << 20) - 1)) & ~((1 << 20) - 1)  # round the mantissa up to 3 bits
     exponent = (bits >> 23) - 127 + KCODE_EXP_BIAS
@@ -142,7 +150,7 @@ def kcode_encode(scale: torch.Tensor) -> torch.Tensor:
 
 
 def kcode_to_scale(code: torch.Tensor) -> torch.Tensor:
-    """float32 scale of a KIVI key scale code (inverse of ``kcode_encode``, exact)."""
+    """float32 scale of an e5m3 scale code (inverse of ``kcode_encode``, exact)."""
     c = code.to(torch.int32)
     return (((c >> 3) - KCODE_EXP_BIAS + 127) << 23 | (c & 7) << 20).view(torch.float32)
 

@@ -12,25 +12,34 @@ head_dim, ``bs`` = block_size, ``G = D / 32``)::
     int8       data    [2, bs, H, D]          int8     round(x / s)        symmetric
                scale   [2, bs, H]             float16  s = amax / 127      per token per head
     int4       data    [2, bs, H, D/2]        uint8    2 codes per byte    asymmetric, group 32
-               scale   [2, bs, H, G]          float16  s = range / 15
-               zero    [2, bs, H, G]          uint8    z: x = (q - z) * s  integer zero point
+               min     [2, bs, H, G]          float16  x = q * s + min
+               scale   [2, bs, H, G]          uint8    s = range / 15 as an e5m3 code (below)
     int2       data    [2, bs, H, D/4]        uint8    4 codes per byte    plain per-token 2-bit
                scale   [2, bs, H, G]          float16  s = range / 3       (the KIVI baseline)
                min     [2, bs, H, G]          float16  x = q * s + min
     kivi2/4    data    [2, bs, H, D*b/8]      uint8    packed codes        b = 2 or 4 bits
                kmin    [H, D]                 float16  keys: per channel over the block's tokens
-               kcode   [H, D]                 uint8    s as an unsigned e5m3 float, rounded up
+               kcode   [H, D]                 uint8    s as an e5m3 code (below)
                vscale  [bs, H]                float16  values: per token (group = D)
                vmin    [bs, H]                float16  x = q * s + min
 
 Packed codes: element ``d`` of a row lives in byte ``d * b // 8`` at bit ``(d % (8 // b)) * b``.
+An e5m3 code is a scale as an unsigned 8-bit float (5 exponent bits, bias 16, 3 mantissa bits:
+2^-16 .. 61440) rounded UP, so the encoded range always covers the group's (at most 12.5%
+coarser than exact), beside an exact fp16 minimum.
+
+Key rotation (``KVFormat.rotate``): formats marked "k" store ``k @ R`` and attention uses
+``q @ R`` (``R``: a D x D orthonormal Hadamard matrix with seeded random signs, QuaRot's
+incoherence processing), which leaves every score ``q . k`` unchanged but spreads a few large
+key channels over all of them, so per-token groups quantize far better; "v" does the same to
+values and rotates the attention output back (``out @ R^T``). Measured on SmolLM2 (README).
 
 Why these metadata types (bytes per token per head for D = 64, bs = 16; fp16 K+V = 256):
 int8 64+2 per K or V = 0.516 (an fp32 scale would be 0.531, over the 0.53 target); int4 with
-an fp16 scale and an fp16 zero is 0.3125, with a uint8 zero point 0.297; kivi2 with an fp16
-scale and min per key channel per block is 0.203, so the key scale is an unsigned 8-bit float
-(5 exponent bits, bias 16, 3 mantissa bits: 2^-16 .. 61440) rounded up so the block's range is
-always covered (at most 12.5% coarser than exact), beside an exact fp16 minimum: 0.1875. The
+an fp16 scale and an fp16 min is 0.3125, with an e5m3 scale code and an fp16 min 0.297 (an
+integer zero point also fits, 0.297, but snaps the grid to multiples of the scale: +2% more
+perplexity on SmolLM2); kivi2 with an fp16 scale and min per key channel per block is 0.203,
+with an e5m3 code and an fp16 min 0.1875. The
 int2 baseline spends the same 0.1875 on an fp16 scale and min per group of 32. KIVI's partial
 last block (and an optional window of recent full blocks) is kept in the model dtype in a small
 residual pool (``kvcore_kernels.quant.residual``), counted per request by the capacity planner,
@@ -51,7 +60,7 @@ ROW_ALIGN = 16  # block rows are padded to a multiple of this many bytes
 KCODE_EXP_BIAS = 16  # KIVI key scale code: an unsigned e5m3 float, 2^(e - 16) * (1 + m / 8)
 KCODE_MIN = 2.0**-16  # code 0
 KCODE_MAX = 1.875 * 2.0**15  # code 255
-MAX_HEAD_DIM = 512
+TRITON_HEAD_DIMS = (64, 128, 256)  # what the Triton kernels compile for (CUDA devices)
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class KVFormat:
     fp8_dtype: torch.dtype | None = None
     per_tensor: bool = False  # fp8: one scale per layer for K and V instead of one per head
     description: str = ""
+    rotate: str = ""  # "", "k", "v" or "kv": Hadamard-rotate keys / values (docstring)
 
     @property
     def quantized(self) -> bool:
@@ -79,19 +89,19 @@ FORMATS: dict[str, KVFormat] = {
     f.name: f
     for f in (
         KVFormat("auto", "model", 0, description="the model dtype (no quantization)"),
-        KVFormat("fp8_e4m3", "fp8", 8, torch.float8_e4m3fn, description="FP8 E4M3, per-head scale"),
-        KVFormat("fp8_e5m2", "fp8", 8, torch.float8_e5m2, description="FP8 E5M2, per-head scale"),
-        KVFormat(
-            "fp8_e4m3_tensor", "fp8", 8, torch.float8_e4m3fn, True, "FP8 E4M3, per-tensor scale"
-        ),
-        KVFormat(
-            "fp8_e5m2_tensor", "fp8", 8, torch.float8_e5m2, True, "FP8 E5M2, per-tensor scale"
-        ),
+        KVFormat("fp8_e4m3", "fp8", 8, torch.float8_e4m3fn, False, "FP8 E4M3, per-head", "k"),
+        KVFormat("fp8_e5m2", "fp8", 8, torch.float8_e5m2, False, "FP8 E5M2, per-head", "k"),
+        KVFormat("fp8_e4m3_tensor", "fp8", 8, torch.float8_e4m3fn, True, "FP8 E4M3", "k"),
+        KVFormat("fp8_e5m2_tensor", "fp8", 8, torch.float8_e5m2, True, "FP8 E5M2", "k"),
         KVFormat("int8", "int8", 8, description="INT8 symmetric, scale per token per head"),
-        KVFormat("int4", "intg", 4, description="INT4 asymmetric, group 32, uint8 zero point"),
-        KVFormat("int2", "intg", 2, description="2-bit per token, group 32 (KIVI's baseline)"),
-        KVFormat("kivi4", "kivi", 4, description="KIVI 4-bit: K per channel, V per token"),
-        KVFormat("kivi2", "kivi", 2, description="KIVI 2-bit: K per channel, V per token"),
+        KVFormat("int4", "intg", 4, description="INT4 asymmetric, group 32", rotate="k"),
+        KVFormat("int2", "intg", 2, description="plain per-token 2-bit, group 32 (baseline)"),
+        KVFormat(
+            "kivi4", "kivi", 4, description="KIVI 4-bit: K per channel, V per token", rotate="kv"
+        ),
+        KVFormat(
+            "kivi2", "kivi", 2, description="KIVI 2-bit: K per channel, V per token", rotate="kv"
+        ),
     )
 }
 
@@ -118,7 +128,8 @@ def check_format(
 
     Raises ``KernelConfigError`` (nothing is allocated) for an unknown format, a model dtype
     other than fp32/fp16/bf16, a head dim the format cannot pack (int4/int2 need a multiple of
-    32, kivi a multiple of 8 // bits), or FP8 on a CUDA device older than sm89.
+    32, kivi a multiple of 8 // bits), on CUDA a head dim the Triton kernels do not compile for,
+    or FP8 on a CUDA device older than sm89.
     """
     fmt = get_format(name)
     if dtype not in MODEL_DTYPES:
@@ -129,8 +140,6 @@ def check_format(
         raise KernelConfigError(f"block_size must be a positive int, got {block_size!r}")
     if not fmt.quantized:
         return fmt
-    if head_dim > MAX_HEAD_DIM:
-        raise KernelConfigError(f"{fmt.name}: head_dim {head_dim} > {MAX_HEAD_DIM} unsupported")
     if fmt.kind == "intg" and head_dim % GROUP:
         raise KernelConfigError(
             f"{fmt.name} quantizes groups of {GROUP} along the head dim: head_dim {head_dim} "
@@ -144,9 +153,14 @@ def check_format(
             )
         if block_size < 2:
             raise KernelConfigError(f"{fmt.name} quantizes keys over a block: block_size >= 2")
-    if fmt.kind == "fp8" and device is not None:
-        device = torch.device(device)
-        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        if head_dim not in TRITON_HEAD_DIMS:
+            raise KernelConfigError(
+                f"{fmt.name} on CUDA: the Triton kernels serve head_dim {TRITON_HEAD_DIMS}, "
+                f"got {head_dim}"
+            )
+        if fmt.kind == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
             raise KernelConfigError(f"{fmt.name} needs a GPU with FP8 support (sm89 or newer)")
     return fmt
 
@@ -190,9 +204,8 @@ def block_layout(fmt: KVFormat, block_size: int, num_kv_heads: int, head_dim: in
         specs.append(("scale", (2, bs, h), torch.float16))
     elif fmt.kind == "intg":
         g = d // GROUP
-        specs.append(("scale", (2, bs, h, g), torch.float16))
-        zero = ("zero", torch.uint8) if fmt.bits == 4 else ("min", torch.float16)
-        specs.append((zero[0], (2, bs, h, g), zero[1]))
+        specs.append(("min", (2, bs, h, g), torch.float16))
+        specs.append(("scale", (2, bs, h, g), torch.uint8 if fmt.bits == 4 else torch.float16))
     elif fmt.kind == "kivi":
         specs += [
             ("kmin", (h, d), torch.float16),
@@ -226,7 +239,7 @@ def bytes_per_token(
 
 # Kernel-facing encoding of a format: one integer kind and the byte offsets of up to five regions.
 KIND_FP8_E4M3, KIND_FP8_E5M2, KIND_INT8, KIND_INT4, KIND_INT2, KIND_KIVI = range(6)
-_META_REGIONS = (("scale", "kmin"), ("zero", "min", "kcode"), ("vscale",), ("vmin",))
+_META_REGIONS = (("scale", "kmin"), ("min", "kcode"), ("vscale",), ("vmin",))
 
 
 def kernel_kind(fmt: KVFormat) -> int:
@@ -239,7 +252,7 @@ def kernel_kind(fmt: KVFormat) -> int:
 
 
 def region_offsets(layout: BlockLayout) -> tuple[int, int, int, int, int]:
-    """Byte offsets in a block row of: data, scale|kmin, zero|min|kcode, vscale, vmin (0 if
+    """Byte offsets in a block row of: data, scale|kmin, min|kcode, vscale, vmin (0 if
     the format has no such region)."""
     offsets = [layout.regions["data"].offset]
     for names in _META_REGIONS:

@@ -78,7 +78,11 @@ class ResidualState:
         A call is a new step when ``slot_mapping`` is another tensor (or was modified in place)
         or when ``layer`` already used the current plan.
         """
-        key = (id(slot_mapping), slot_mapping._version)
+        try:
+            version = slot_mapping._version
+        except RuntimeError:  # inference-mode tensors keep no version counter
+            version = -1
+        key = (id(slot_mapping), version)
         if self._plan is None or key != self._plan_key or id(layer) in self._plan_users:
             self._plan = self._make_plan(slot_mapping, meta)
             self._plan_key, self._plan_src, self._plan_users = key, slot_mapping, set()

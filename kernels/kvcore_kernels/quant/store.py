@@ -161,6 +161,7 @@ def store_kv_quant(
     """
     check_quant_store_args(key, value, cache, slot_mapping)
     use_triton = check_backend(backend, cache.device) == "triton"
+    key, value = cache.rotate_in(key, "k"), cache.rotate_in(value, "v")
     if cache.fmt.kind == "kivi":
         assert cache.residual_state is not None
         plan = cache.residual_state.plan_for(cache, slot_mapping, meta)
@@ -182,9 +183,9 @@ def store_kv_quant(
 
 
 def read_tokens(cache: QuantKVCache, blocks: torch.Tensor, which: int) -> torch.Tensor:
-    """Decode K (0) or V (1) of whole blocks: float32 ``[n, bs, H, D]`` (test and twin helper).
-
-    KIVI blocks held in the residual are read from it (model dtype), as attention does.
+    """Decode K (0) or V (1) of whole blocks: float32 ``[n, bs, H, D]`` (test and twin helper),
+    in the stored basis (``cache.rotate_out`` undoes a rotation). KIVI blocks held in the
+    residual are read from it (model dtype), as attention does.
     """
     parts = cache.read_blocks(blocks)
     if cache.fmt.kind == "kivi":

@@ -16,9 +16,6 @@ import triton.language as tl
 from kvcore_kernels.quant.cache import QuantKVCache
 from kvcore_kernels.quant.formats import (
     GROUP,
-    KCODE_EXP_BIAS,
-    KCODE_MAX,
-    KCODE_MIN,
     KIND_FP8_E4M3,
     KIND_FP8_E5M2,
     kernel_kind,
@@ -48,6 +45,15 @@ def _fp8_round(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
     step: tl.constexpr = 2.0 ** (MIN_EXP - MANT)
     sub = ((y / step + 12582912.0) - 12582912.0) * step
     return tl.where(tl.abs(y) >= 2.0**MIN_EXP, normal, sub)
+
+
+@triton.jit
+def _scale_code(exact):
+    """``codecs.kcode_encode``: (uint8 e5m3 code rounded up, its fp32 scale) of scales >= 0."""
+    e = tl.minimum(tl.maximum(exact, 1.52587890625e-05), 61440.0).to(tl.int32, bitcast=True)
+    e = (e + 1048575) & -1048576  # round the mantissa up to 3 bits
+    code = (((e >> 23) - 127 + 16) << 3) | ((e >> 20) & 7)
+    return code.to(tl.uint8), e.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -88,36 +94,32 @@ def _encode_token(
         q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8).to(tl.uint8, bitcast=True)
         tl.store(row_ptr + DATA_OFF + sh[:, None] * HEAD_DIM + dims[None, :], q, mask=ok[:, None])
         tl.store((row_ptr + META0_OFF).to(tl.pointer_type(tl.float16)) + sh, s16, mask=ok)
-    else:  # int4 (uint8 zero point) / int2 (fp16 min), groups of GROUP along the head dim
+    else:  # int4 (e5m3 scale code) / int2 (fp16 scale), fp16 min, groups along the head dim
         ng: tl.constexpr = HEAD_DIM // GROUP
         levels: tl.constexpr = (1 << BITS) - 1
         xg = tl.reshape(x, (HEADS_PAD, ng, GROUP))
-        lo = tl.min(xg, 2)
-        hi = tl.max(xg, 2)
+        lo = tl.minimum(tl.maximum(tl.min(xg, 2), -65504.0), 65504.0).to(tl.float16)
+        lof = lo.to(tl.float32)
         if KIND == 3:
-            lo = tl.minimum(lo, 0.0)
-            hi = tl.maximum(hi, 0.0)
+            code, s = _scale_code((tl.max(xg, 2) - lof) / levels)
         else:
-            lo = tl.minimum(tl.maximum(lo, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
-        s16 = tl.minimum(tl.maximum((hi - lo) / levels, 6.103515625e-05), 65504.0).to(tl.float16)
-        s = s16.to(tl.float32)
-        if KIND == 3:
-            z = tl.minimum(tl.maximum(tl.floor(-lo / s + 0.5), 0.0), levels)
-            q = tl.floor(xg / s[:, :, None] + 0.5) + z[:, :, None]
-        else:
-            q = tl.floor((xg - lo[:, :, None]) / s[:, :, None] + 0.5)
+            code = tl.minimum(tl.maximum((tl.max(xg, 2) - lof) / levels, 6.103515625e-05), 65504.0)
+            code = code.to(tl.float16)
+            s = code.to(tl.float32)
+        q = tl.floor((xg - lof[:, :, None]) / s[:, :, None] + 0.5)
         q = tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int32)
         packed = _pack(tl.reshape(q, (HEADS_PAD, HEAD_DIM)), HEADS_PAD, HEAD_DIM, BITS)
         cols = tl.arange(0, HEAD_DIM * BITS // 8)
         width: tl.constexpr = HEAD_DIM * BITS // 8
         tl.store(row_ptr + DATA_OFF + sh[:, None] * width + cols[None, :], packed, mask=ok[:, None])
         g = sh[:, None] * ng + tl.arange(0, ng)[None, :]  # [HEADS_PAD, ng]
-        tl.store((row_ptr + META0_OFF).to(tl.pointer_type(tl.float16)) + g, s16, mask=ok[:, None])
         if KIND == 3:
-            tl.store(row_ptr + META1_OFF + g, z.to(tl.uint8), mask=ok[:, None])
+            tl.store(row_ptr + META0_OFF + g, code, mask=ok[:, None])
         else:
-            meta1 = (row_ptr + META1_OFF).to(tl.pointer_type(tl.float16))
-            tl.store(meta1 + g, lo.to(tl.float16), mask=ok[:, None])
+            tl.store(
+                (row_ptr + META0_OFF).to(tl.pointer_type(tl.float16)) + g, code, mask=ok[:, None]
+            )
+        tl.store((row_ptr + META1_OFF).to(tl.pointer_type(tl.float16)) + g, lo, mask=ok[:, None])
 
 
 @triton.jit
@@ -268,9 +270,6 @@ def _encode_blocks_kernel(
     KCODE_OFF: tl.constexpr,
     VSCALE_OFF: tl.constexpr,
     VMIN_OFF: tl.constexpr,
-    KCODE_MIN: tl.constexpr,
-    KCODE_MAX: tl.constexpr,
-    KCODE_EXP_BIAS: tl.constexpr,
 ):
     job = tl.program_id(0)
     head = tl.program_id(1)
@@ -297,11 +296,7 @@ def _encode_blocks_kernel(
     hi = tl.where(hi == float("-inf"), 0.0, hi)
     kmin16 = tl.minimum(tl.maximum(lo, -65504.0), 65504.0).to(tl.float16)
     kmin = kmin16.to(tl.float32)
-    exact = tl.minimum(tl.maximum((hi - kmin) / levels, KCODE_MIN), KCODE_MAX)
-    bits = exact.to(tl.int32, bitcast=True)
-    bits = (bits + 1048575) & -1048576  # round the mantissa up to 3 bits
-    ks = bits.to(tl.float32, bitcast=True)
-    code = (((bits >> 23) - 127 + KCODE_EXP_BIAS) << 3) | ((bits >> 20) & 7)
+    code, ks = _scale_code((hi - kmin) / levels)
     qk = tl.floor((k - kmin[None, :]) / ks[None, :] + 0.5)
     qk = tl.minimum(tl.maximum(qk, 0.0), levels).to(tl.int32)
     sh_k = rows * NUM_KV_HEADS + head  # [BS_PAD] (kv=0, pos, head)
@@ -311,7 +306,7 @@ def _encode_blocks_kernel(
         mask=row_ok[:, None],
     )
     tl.store((row_ptr + KMIN_OFF).to(tl.pointer_type(tl.float16)) + head * HEAD_DIM + dims, kmin16)
-    tl.store(row_ptr + KCODE_OFF + head * HEAD_DIM + dims, code.to(tl.uint8))
+    tl.store(row_ptr + KCODE_OFF + head * HEAD_DIM + dims, code)
 
     # Values: per token over the head dim; fp16 scale and min.
     vlo = tl.minimum(tl.maximum(tl.min(v, 1), -65504.0), 65504.0).to(tl.float16).to(tl.float32)
@@ -366,7 +361,4 @@ def encode_blocks_triton(
         KCODE_OFF=kcode_off,
         VSCALE_OFF=vscale_off,
         VMIN_OFF=vmin_off,
-        KCODE_MIN=KCODE_MIN,
-        KCODE_MAX=KCODE_MAX,
-        KCODE_EXP_BIAS=KCODE_EXP_BIAS,
     )
