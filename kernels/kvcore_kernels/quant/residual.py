@@ -68,25 +68,31 @@ class ResidualState:
         self.clock = 0
         self.device_map = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
         self._plan: StorePlan | None = None
-        self._plan_key: tuple[int, int] | None = None
-        self._plan_src: torch.Tensor | None = None  # keeps the keyed tensor alive (id reuse)
-        self._plan_users: set[int] = set()
+        self._plan_src: torch.Tensor | None = None  # the step's slot mapping (kept alive)
+        self._plan_version = -1
+        self._plan_slots: np.ndarray | None = None  # its host copy
+        self._plan_users: set[int] = set()  # layers (ids) that applied the plan
 
     def plan_for(self, layer: object, slot_mapping: torch.Tensor, meta: object) -> StorePlan:
         """The step's plan: made on the first layer's call, reused by the other layers.
 
-        A call is a new step when ``slot_mapping`` is another tensor (or was modified in place)
+        Layers of one step pass the same slot mapping (the same tensor object: no host copy;
+        an equal tensor: compared on the host). A call is a new step when the mapping differs
         or when ``layer`` already used the current plan.
         """
         try:
             version = slot_mapping._version
         except RuntimeError:  # inference-mode tensors keep no version counter
             version = -1
-        key = (id(slot_mapping), version)
-        if self._plan is None or key != self._plan_key or id(layer) in self._plan_users:
-            self._plan = self._make_plan(slot_mapping, meta)
-            self._plan_key, self._plan_src, self._plan_users = key, slot_mapping, set()
+        same = self._plan is not None and id(layer) not in self._plan_users
+        if same and not (slot_mapping is self._plan_src and version == self._plan_version):
+            host = slot_mapping.detach().to("cpu", torch.int64).numpy()
+            same = self._plan_slots is not None and np.array_equal(host, self._plan_slots)
+        if not same:
+            self._plan, self._plan_slots = self._make_plan(slot_mapping, meta)
+            self._plan_src, self._plan_version, self._plan_users = slot_mapping, version, set()
         self._plan_users.add(id(layer))
+        assert self._plan is not None
         return self._plan
 
     def _window_blocks(self, meta: object) -> tuple[np.ndarray, np.ndarray]:
@@ -102,7 +108,7 @@ class ResidualState:
         old = cols < (n_full - self.window)[:, None]
         return table[keep], table[old]
 
-    def _make_plan(self, slot_mapping: torch.Tensor, meta: object) -> StorePlan:
+    def _make_plan(self, slot_mapping: torch.Tensor, meta: object) -> tuple[StorePlan, np.ndarray]:
         bs = self.block_size
         slots = slot_mapping.detach().to("cpu", torch.int64).numpy()
         if slots.size and int(slots.max()) >= self.num_blocks * bs:
@@ -191,7 +197,7 @@ class ResidualState:
         self.stage_of_block, self.block_of_slot = stage_of_block, block_of_slot
         self.fill[ub] = new_fill
         self._push_map()
-        return plan
+        return plan, slots
 
     def plan_copy(self, src: np.ndarray, dst: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy-on-write of blocks ``src -> dst``: staged sources get a slot for ``dst``.
