@@ -7,7 +7,8 @@ The cache layout is documented once, in ``kvcore_kernels.cache``::
 
 Per step: ``store_kv`` writes the new tokens' K/V; ``plan_attention`` builds the metadata every
 layer shares; per layer ``paged_attention`` runs. ``backend="auto"`` picks Triton on CUDA and the
-torch twin elsewhere; ``*_torch`` / ``*_triton`` name one explicitly (same signatures).
+torch twin elsewhere; ``*_torch`` / ``*_triton`` name one explicitly (same signatures; the
+Triton ones import triton on first access, so this package imports without it).
 """
 
 from kvcore_kernels.attention import paged_attention
@@ -19,6 +20,20 @@ from kvcore_kernels.store import store_kv, store_kv_torch
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "paged_attention_triton": "kvcore_kernels.attention_triton",
+    "store_kv_triton": "kvcore_kernels.store_triton",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvcore_kernels' has no attribute {name!r}")
+
+
 __all__ = [
     "__version__",
     "NULL_BLOCK",
@@ -27,7 +42,9 @@ __all__ = [
     "allocate_kv_cache",
     "paged_attention",
     "paged_attention_torch",
+    "paged_attention_triton",
     "plan_attention",
     "store_kv",
     "store_kv_torch",
+    "store_kv_triton",
 ]

@@ -1,7 +1,7 @@
 """Pure-torch twin of the Triton paged attention: the test oracle's peer and the CPU path.
 
 Requests are sorted (decode first, then by query length and blocks needed) and cut into
-chunks whose gathered K and V fit in the CPU's L2 caches. Per chunk and layer: two
+chunks whose gathered K and V fit in the CPU's L2 caches. Per chunk and layer: one
 ``index_select`` of whole blocks into a small buffer that stays in cache, zeroing of the few
 rows past each sequence's end (the cache may hold anything there, NaN included), one fused
 ``scaled_dot_product_attention`` (GQA without repeating K/V), one ``index_copy_`` into the
@@ -23,8 +23,10 @@ import torch.nn.functional as F
 from kvcore_kernels.attention import check_attention_args
 from kvcore_kernels.plan import AttentionMetadata
 
-# Gathered K+V bytes per chunk and per thread: the chunk is read back while still in L2.
-CHUNK_BYTES_PER_THREAD = 3 << 19  # 1.5 MiB: best of 0.25-4 MiB on a 2 MiB-L2 Xeon
+# Gathered K+V bytes per chunk and per thread: the chunk is read back while still in cache.
+# On a 2-core Xeon (2 MiB L2 per core) 1.5 to 6 MiB ran alike when idle and 24 MiB twice as
+# slow; the larger sizes make fewer parallel regions, which is what a loaded machine punishes.
+CHUNK_BYTES_PER_THREAD = 4 << 20
 # Score elements per slice of the explicit (soft-cap / ALiBi) path.
 MAX_SCORE_ELEMENTS = 1 << 24
 
@@ -37,10 +39,15 @@ class TwinChunk:
     q_max: int
     num_blocks: int  # blocks gathered per request (key length = num_blocks * block_size)
     blocks: torch.Tensor  # int64 [num_reqs * num_blocks] block ids (0 past a request's end)
+    kv_rows: torch.Tensor  # int64 [num_reqs * 2 * num_blocks] rows of the cache seen as
+    #   [num_blocks * 2, block_size * Hk * D], ordered (request, K/V, block): one gather then
+    #   leaves each request's K (and V) as one contiguous [key_len, Hk, D] run
     q_index: torch.Tensor  # int64 [num_reqs * q_max] packed token of each padded query row
     out_index: torch.Tensor  # int64 [num_rows] destination token of each real query row
     src_rows: torch.Tensor | None  # int64 [num_rows] its padded row; None when all rows are real
-    pad_rows: torch.Tensor | None  # int64 [P] gathered key rows past seq_len (zeroed)
+    pad_rows: torch.Tensor | None  # int64 [P] gathered K and V rows past seq_len (zeroed)
+    q_range: tuple[int, int] | None  # the query rows are packed tokens lo..hi-1 (no gather)
+    out_range: tuple[int, int] | None  # the real rows go to packed tokens lo..hi-1 (no scatter)
     q_pos: torch.Tensor  # int64 [num_reqs, q_max] position of each query row
     k_pos: torch.Tensor  # int64 [num_reqs, key_len] position of each gathered key
     window: int | None
@@ -119,18 +126,24 @@ def build_chunks(
         if not fresh and not ok.all():
             mask = torch.from_numpy(np.where(ok, 0.0, -np.inf).astype(np.float32))
             mask = mask[:, None].to(device)
-        pad = np.flatnonzero(k_pos >= lens[rs, None])
+        kv_rows = blocks[:, None, :] * 2 + np.arange(2)[None, :, None]  # [n, 2, nb]
+        pad_req, pad_pos = np.nonzero(k_pos >= lens[rs, None])
+        pad = np.r_[2 * pad_req * nb * bs + pad_pos, (2 * pad_req + 1) * nb * bs + pad_pos]
         rows = np.flatnonzero(q_real)
-        q_index = qsl[rs, None] + np.minimum(np.arange(q_max), q_lens[rs, None] - 1)
+        q_index = (qsl[rs, None] + np.minimum(np.arange(q_max), q_lens[rs, None] - 1)).reshape(-1)
+        out_index = (qsl[rs, None] + np.arange(q_max)).reshape(-1)[rows]
         chunks.append(
             TwinChunk(
                 num_reqs=n,
                 q_max=q_max,
                 num_blocks=nb,
                 blocks=dev(blocks.reshape(-1)),
-                q_index=dev(q_index.reshape(-1)),
-                out_index=dev((qsl[rs, None] + np.arange(q_max)).reshape(-1)[rows]),
+                kv_rows=dev(kv_rows.reshape(-1)),
+                q_index=dev(q_index),
+                out_index=dev(out_index),
                 src_rows=None if len(rows) == n * q_max else dev(rows),
+                q_range=_as_range(q_index),
+                out_range=_as_range(out_index) if len(rows) == n * q_max else None,
                 pad_rows=dev(pad) if len(pad) else None,
                 q_pos=dev(q_pos),
                 k_pos=dev(k_pos),
@@ -140,6 +153,14 @@ def build_chunks(
             )
         )
     return chunks
+
+
+def _as_range(index: np.ndarray) -> tuple[int, int] | None:
+    """(lo, hi) if ``index`` is lo, lo+1, ..., hi-1: a slice then replaces gather / scatter."""
+    lo = int(index[0])
+    if np.array_equal(index, np.arange(lo, lo + len(index))):
+        return lo, lo + len(index)
+    return None
 
 
 def _attend_explicit(
@@ -203,21 +224,29 @@ def paged_attention_torch(
     chunks = meta.cache.get(cache_key)
     if chunks is None:
         chunks = meta.cache[cache_key] = build_chunks(meta, sliding_window, budget)
-    k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]  # [num_blocks, bs, Hk, D]
     explicit = soft_cap is not None or alibi_slopes is not None
+    # [num_blocks * 2, bs * Hk * D]: row 2b is block b's K, row 2b + 1 its V.
+    flat = kv_cache.view(-1, bs * hk * d) if kv_cache.is_contiguous() else None
     # One gather buffer per call, reused by every chunk (it stays in cache between them).
     most = max((c.num_reqs * c.num_blocks for c in chunks), default=0)
-    k_buf = torch.empty((most, bs, hk, d), dtype=query.dtype, device=query.device)
-    v_buf = torch.empty_like(k_buf)
+    buf = torch.empty((2 * most, bs * hk * d), dtype=query.dtype, device=query.device)
     for c in chunks:
-        n, key_len = c.num_reqs, c.num_blocks * bs
-        k = torch.index_select(k_cache, 0, c.blocks, out=k_buf[: n * c.num_blocks])
-        v = torch.index_select(v_cache, 0, c.blocks, out=v_buf[: n * c.num_blocks])
+        n, nb, key_len = c.num_reqs, c.num_blocks, c.num_blocks * bs
+        kv = buf[: 2 * n * nb]
+        if flat is not None:
+            torch.index_select(flat, 0, c.kv_rows, out=kv)
+        else:  # a strided cache view: two advanced-index copies instead of one gather
+            kv6 = kv.view(n, 2, nb, bs, hk, d)
+            kv6[:, 0] = kv_cache[c.blocks, 0].view(n, nb, bs, hk, d)
+            kv6[:, 1] = kv_cache[c.blocks, 1].view(n, nb, bs, hk, d)
         if c.pad_rows is not None:
-            k.view(n * key_len, hk * d).index_fill_(0, c.pad_rows, 0)
-            v.view(n * key_len, hk * d).index_fill_(0, c.pad_rows, 0)
-        k, v = k.view(n, key_len, hk, d), v.view(n, key_len, hk, d)
-        q = query.index_select(0, c.q_index).view(n, c.q_max, hq, d)
+            kv.view(2 * n * key_len, hk * d).index_fill_(0, c.pad_rows, 0)
+        kv = kv.view(n, 2, key_len, hk, d)
+        k, v = kv[:, 0], kv[:, 1]  # [n, key_len, Hk, D] each
+        if c.q_range is not None:
+            q = query[c.q_range[0] : c.q_range[1]].unflatten(0, (n, c.q_max))  # a view
+        else:
+            q = query.index_select(0, c.q_index).view(n, c.q_max, hq, d)
         if explicit:
             o = _attend_explicit(q, k, v, c, scale, soft_cap, alibi_slopes)
         else:
@@ -231,6 +260,9 @@ def paged_attention_torch(
                 enable_gqa=hq != hk,
             ).transpose(1, 2)  # [n, q_max, Hq, D]
         rows = o.reshape(n * c.q_max, hq, d)
+        if c.out_range is not None:
+            out[c.out_range[0] : c.out_range[1]] = rows
+            continue
         if c.src_rows is not None:
             rows = rows.index_select(0, c.src_rows)
         out.index_copy_(0, c.out_index, rows)

@@ -10,8 +10,9 @@ the query heads sharing one KV head, so each K/V tile is loaded once for the who
 Its keys are ``[k_start, k_end)`` (causal end of its last token, window start of its first),
 walked in ``BLOCK_N`` tiles through the block table with an online softmax in log2 units. With
 ``num_splits > 1`` (few tiles, long contexts: a decode batch of one still fills the GPU) split
-``s`` takes every ``num_splits``-th share of the key tiles and writes its unnormalised partial
-(acc, max, sum); ``_merge_splits_kernel`` combines them (Dao et al.'s flash-decoding).
+``s`` takes the ``s``-th of ``num_splits`` contiguous shares of the tile's key range and writes
+its unnormalised partial (acc, max, sum); ``_merge_splits_kernel`` combines them (the
+flash-decoding idea of Dao et al.).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # sliding_window=None: every key is within the window
 MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in merging than it gains
 MAX_SPLITS = 64
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 MAX_QUERIES_PER_KV = 16
 
 
@@ -207,18 +208,31 @@ def _tiles(meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.T
     return meta.cache[key]
 
 
+def _block_shape(decode_only: bool, group: int, row_bytes: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): query rows and keys per tile, smaller for wide rows (fp32, 256).
+
+    Decode tiles hold one token's query heads (padded to the 16 rows ``tl.dot`` needs);
+    mixed and prefill steps pack several tokens per tile.
+    """
+    narrow = row_bytes <= 256  # bf16/fp16 with head_dim <= 128
+    block_n = 64 if narrow else (32 if row_bytes <= 512 else 16)
+    if decode_only:
+        return max(16, triton.next_power_of_2(group)), block_n
+    return (128 if narrow else (64 if row_bytes <= 512 else 32)), block_n
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: small, so that tests reach the split path
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
+def choose_num_splits(num_programs: int, max_keys: int, device: torch.device) -> int:
     """Split the key range when the grid alone would leave the GPU half idle."""
     target = 2 * _num_sms(device)
     if num_programs >= target:
         return 1
-    return max(1, min(-(-target // num_programs), max_seq_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(-(-target // num_programs), max_keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 def paged_attention_triton(
@@ -253,14 +267,16 @@ def paged_attention_triton(
         out = torch.empty_like(query)
     if meta.num_tokens == 0:
         return out
-    decode_only = meta.max_q_len == 1
-    wide = d > 128 or query.dtype == torch.float32
-    block_m = max(16, triton.next_power_of_2(group)) if decode_only else (64 if wide else 128)
-    block_n = 32 if wide else 64
+    block_m, block_n = _block_shape(meta.max_q_len == 1, group, d * query.element_size())
     block_q = block_m // group
     tile_req, tile_start = _tiles(meta, block_q)
     num_tiles = tile_req.shape[0]
-    splits = choose_num_splits(num_tiles * hk, meta.max_seq_len, query.device)
+    keys = (
+        meta.max_seq_len
+        if sliding_window is None
+        else min(meta.max_seq_len, sliding_window + block_q)
+    )
+    splits = choose_num_splits(num_tiles * hk, keys, query.device)
     if splits > 1:
         part_acc = torch.empty(
             (splits, meta.num_tokens, hq, d), dtype=torch.float32, device=query.device
@@ -310,7 +326,8 @@ def paged_attention_triton(
         USE_ALIBI=alibi_slopes is not None,
         COMPUTE_DTYPE=compute_dtype(query.dtype, _paged_attention_kernel),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4 if decode_only else 8,
+        num_warps=4 if block_m <= 16 else 8,
+        num_stages=2,
     )
     if splits > 1:
         _merge_splits_kernel[(meta.num_tokens, hq)](

@@ -136,6 +136,60 @@ def test_twin_explicit_path_slices_queries(gen, monkeypatch):
     check(gen, "torch", CASES["prefix_mid_block"], features=FEATURES["all"])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_twin_fresh_prefill_alone(gen, dtype):
+    """One prompt with nothing cached: SDPA's own causal mask, no mask tensor, no gather of q."""
+    check(gen, "torch", [(0, 45)], dtype=dtype, block_size=8)
+    check(gen, "torch", [(0, 45), (0, 3)], dtype=dtype, block_size=8)
+
+
+@pytest.mark.parametrize("backend, chunk_bytes", [("torch", 1), ("torch", 1 << 30), ("triton", 1)])
+def test_strided_query_and_out(gen, monkeypatch, backend, chunk_bytes):
+    """Views with a row stride (slices of a fused QKV projection, of a wider output) work."""
+    if backend == "triton":
+        needs_interpreter()
+    monkeypatch.setattr(attention_torch, "CHUNK_BYTES_PER_THREAD", chunk_bytes)
+    b = make_batch(
+        gen,
+        [(0, 30), (20, 1)],
+        block_size=8,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+    )
+    qkv = torch.randn(b.query.shape[0], 8, 64)
+    qkv[:, :4] = b.query
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 8)
+    wide = torch.full_like(qkv, float("nan"))
+    kk.paged_attention(qkv[:, :4], b.kv_cache, meta, scale=0.1, out=wide[:, 4:], backend=backend)
+    assert (wide[:, 4:].double() - reference_attention(b, scale=0.1)).abs().max() < 2e-5
+    assert wide[:, :4].isnan().all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_strided_cache_view(gen, backend):
+    """A cache that is a view (here every other head_dim half of a wider tensor) works."""
+    if backend == "triton":
+        needs_interpreter()
+    b = make_batch(
+        gen,
+        CASES["mixed"],
+        block_size=8,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+    )
+    wide = torch.full((*b.kv_cache.shape[:-1], 128), float("nan"))
+    wide[..., 32:96] = b.kv_cache
+    view = wide[..., 32:96]
+    assert not view.is_contiguous()
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 8)
+    out = kk.paged_attention(b.query, view, meta, scale=0.1, backend=backend)
+    assert (out.double() - reference_attention(b, scale=0.1)).abs().max() < 2e-5
+
+
 def test_twin_long_decode(gen):
     check(gen, "torch", [(700, 1), (1030, 1), (5, 1)], num_q_heads=9, num_kv_heads=3)
 
@@ -204,10 +258,11 @@ ALWAYS = [
         head_dim=256,
         block_size=128,
     ),
+    dict(case="mixed", dtype=torch.float32, features={"sliding_window": 4}, head_dim=32),
 ]
 
 
-@pytest.mark.parametrize("params", ALWAYS, ids=lambda p: f"{p['case']}-{p['dtype']}")
+@pytest.mark.parametrize("params", ALWAYS, ids=lambda p: f"{p['case']}-{p['dtype']}-{len(p)}")
 def test_triton_interpreter_subset(gen, params):
     needs_interpreter()
     params = dict(params)
@@ -276,11 +331,23 @@ def test_cuda_cases(gen, backend, dtype, feature):
         check(gen, backend, case, dtype=dtype, device="cuda", features=FEATURES[feature])
 
 
+# A spread of shapes rather than their product: each combination is one more Triton compile.
+CUDA_SHAPES = [
+    (64, (32, 8), 16),
+    (128, (32, 8), 8),
+    (256, (32, 8), 128),
+    (128, (32, 32), 16),
+    (128, (16, 1), 32),
+    (64, (9, 3), 16),
+    (256, (16, 1), 8),
+    (128, (32, 8), 128),
+]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("heads", [(32, 8), (32, 32), (16, 1), (9, 3)], ids=str)
-@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("head_dim, heads, block_size", CUDA_SHAPES, ids=str)
 def test_cuda_shapes_and_splits(gen, head_dim, heads, block_size):
+    """Long contexts and a lone long decode (split-KV) at bf16, against the float64 oracle."""
     reqs = random_reqs(gen, 8, 2000, 200) + [(5000, 1)]
     check(
         gen,

@@ -123,3 +123,15 @@ def test_allocate_kv_cache():
         kk.allocate_kv_cache(1, 16, 3, 64, torch.float32, "cpu")
     with pytest.raises(kk.KernelConfigError, match="dtype"):
         kk.allocate_kv_cache(4, 16, 3, 64, torch.int8, "cpu")
+
+
+def test_twins_share_signatures():
+    """Each Triton launcher and its torch twin take the same arguments."""
+    import inspect
+
+    pytest.importorskip("triton")
+    for name in ("paged_attention", "store_kv"):
+        torch_sig = inspect.signature(getattr(kk, name + "_torch"))
+        triton_sig = inspect.signature(getattr(kk, name + "_triton"))
+        assert torch_sig == triton_sig, name
+    assert "backend" in inspect.signature(kk.paged_attention).parameters

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# GPU check for a lent machine (Python with torch + triton, no Rust, no network): the CUDA-marked
+# kernel tests, then the decode/prefill sweep of benches/bench_attention_cuda.py. Needs only
+# kvcore_kernels (pure Python, put on PYTHONPATH here). Under 8 minutes: tests <= 200 s, sweep
+# <= 230 s (each killed past its limit, and the script goes on). Prints one summary at the end.
+# Usage: bash benches/device_check.sh [--quick]      (logs go to $OUT, else /tmp)
+#        bash benches/device_check.sh --dry-run      (no GPU: the script's plumbing, tiny shapes)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+LOGS="${OUT:-/tmp}"
+PY="${PYTHON:-python3}"
+ARGS=("$@")
+if [[ "${1:-}" == "--dry-run" ]]; then export TRITON_INTERPRET=1; fi
+
+$PY - <<'PY' 2>&1 | tee "$LOGS/device_env.log"
+import torch, triton
+print(f"python torch {torch.__version__} triton {triton.__version__} cuda {torch.version.cuda}")
+if torch.cuda.is_available():
+    props = torch.cuda.get_device_properties(0)
+    print(f"gpu {props.name} sms {props.multi_processor_count} memory {props.total_memory >> 30} GiB")
+else:
+    print("gpu none (the cuda tests skip; only --dry-run makes sense here)")
+PY
+
+t0=$SECONDS
+timeout 200 $PY -m pytest -q -m cuda tests/kernels -p no:cacheprovider -o addopts="" \
+    --maxfail=20 -W ignore::DeprecationWarning 2>&1 | tee "$LOGS/device_tests.log"
+tests_rc=${PIPESTATUS[0]}
+t1=$SECONDS
+timeout 230 $PY benches/bench_attention.py --device cuda "${ARGS[@]}" 2>&1 | tee "$LOGS/device_sweep.log"
+sweep_rc=${PIPESTATUS[0]}
+t2=$SECONDS
+
+echo
+echo "================ kvcore_kernels device check ================"
+cat "$LOGS/device_env.log"
+echo "tests: rc=$tests_rc ($((t1 - t0)) s): $(grep -E '(passed|failed|error|skipped)' "$LOGS/device_tests.log" | tail -1)"
+grep -E '^(FAILED|ERROR)' "$LOGS/device_tests.log" | head -20
+echo "sweep: rc=$sweep_rc ($((t2 - t1)) s)"
+if grep -q '^| ' "$LOGS/device_sweep.log"; then
+    grep -E '^(device|check_|copy_|targets|decode_)' "$LOGS/device_sweep.log"
+    grep -E '^\| ' "$LOGS/device_sweep.log"
+else  # killed before the tables: the per-shape lines printed so far
+    grep -E '^(device|check_|copy_|decode b=)' "$LOGS/device_sweep.log"
+fi
+exit $(( tests_rc != 0 || sweep_rc != 0 ))
