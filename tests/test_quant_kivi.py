@@ -28,7 +28,7 @@ def _caches(n_layers=2, slots=4, window=0, fmt="kivi2"):
 
 def _write(caches, tokens, slots, meta=None):
     for c in caches:  # every layer stores the same step (one plan per step)
-        store_kv_quant(tokens, tokens * 2, c, torch.tensor(slots), meta=meta)
+        store_kv_quant(tokens, tokens * 2, c, torch.tensor(slots, dtype=torch.int64), meta=meta)
 
 
 def _slots(blocks, start, n):
@@ -40,8 +40,11 @@ def test_prefill_and_decode_give_identical_blocks():
     torch.manual_seed(0)
     x = torch.randn(21, H, D)
     a, b = _caches(), _caches()
-    _write(a, x, _slots([3, 5, 9], 0, 21))  # one step: blocks 3, 5 direct, 9 staged
-    for t in range(21):  # token by token: every block goes through the residual
+    _write(a, x, _slots([3, 5, 9], 0, 21))  # one step: every block staged...
+    st = a[0].residual_state
+    assert (st.stage_of_block[[3, 5, 9]] >= 0).all()  # ...this step reads them unquantized
+    _write(a, x[:0], [])  # the next step quantizes the full ones
+    for t in range(21):  # token by token
         _write(b, x[t : t + 1], _slots([3, 5, 9], t, 1))
     for ca, cb in zip(a, b, strict=True):
         for blk in (3, 5):
@@ -49,7 +52,6 @@ def test_prefill_and_decode_give_identical_blocks():
         idx = torch.tensor([9])
         assert torch.equal(read_tokens(ca, idx, 0)[0, :5], x[16:21])  # exact: model dtype
         assert torch.equal(read_tokens(cb, idx, 1)[0, :5], 2 * x[16:21])
-    st = a[0].residual_state
     assert st.stage_of_block[9] >= 0 and st.stage_of_block[3] < 0 and st.fill[9] == 5
     _check_state(st)
 

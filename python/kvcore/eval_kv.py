@@ -26,12 +26,7 @@ from typing import Any
 import kvcore_kernels as kk
 import numpy as np
 import torch
-from kvcore_kernels.quant import (
-    QuantKVCache,
-    allocate_kv_caches,
-    paged_attention_quant,
-    store_kv_quant,
-)
+from kvcore_kernels.quant import QuantKVCache, allocate_kv_caches
 
 from kvcore.errors import InvalidArgumentError
 
@@ -53,14 +48,9 @@ class EvalContext:
 
 
 def attend(cache: Any, q, k, v, ctx: EvalContext, scale: float, window, soft_cap):
-    """Store this step's K/V in ``cache`` (plain or quantized), then attend over it."""
-    if isinstance(cache, QuantKVCache):
-        store_kv_quant(k, v, cache, ctx.slot_mapping, meta=ctx.meta, backend=ctx.backend)
-        return paged_attention_quant(
-            q, cache, ctx.meta, scale=scale, sliding_window=window, soft_cap=soft_cap,
-            backend=ctx.backend,
-        )  # fmt: skip
-    kk.store_kv(k, v, cache, ctx.slot_mapping, backend=ctx.backend)
+    """Store this step's K/V in ``cache`` (plain or quantized: the kernels dispatch on it),
+    then attend over it."""
+    kk.store_kv(k, v, cache, ctx.slot_mapping, backend=ctx.backend, meta=ctx.meta)
     return kk.paged_attention(
         q, cache, ctx.meta, scale=scale, sliding_window=window, soft_cap=soft_cap,
         backend=ctx.backend,

@@ -120,7 +120,9 @@ def _eval(args: argparse.Namespace) -> None:
 
             specs["mixed"] = resolve_formats(args.mix.split(","), num_layers)
             for n in set(specs["mixed"]):
-                check_format(n, head_dim=geom.head_dim, dtype=model.dtype, block_size=args.block_size)
+                check_format(
+                    n, head_dim=geom.head_dim, dtype=model.dtype, block_size=args.block_size
+                )
     except KernelConfigError as e:
         raise KvCoreError(str(e)) from e
     rotate = {"none": ""}.get(args.rotate, args.rotate)
@@ -131,8 +133,12 @@ def _eval(args: argparse.Namespace) -> None:
     )  # fmt: skip
     ids = corpus_ids(tok)
     rng = random.Random(args.seed)
-    ppl_seqs = [ids[s : s + args.ppl_len] for s in _starts(rng, len(ids), args.ppl_len, args.ppl_seqs)]
-    prompts = [ids[s : s + args.prompt_len] for s in _starts(rng, len(ids), args.prompt_len, args.prompts)]
+    ppl_seqs = [
+        ids[s : s + args.ppl_len] for s in _starts(rng, len(ids), args.ppl_len, args.ppl_seqs)
+    ]
+    prompts = [
+        ids[s : s + args.prompt_len] for s in _starts(rng, len(ids), args.prompt_len, args.prompts)
+    ]
     if args.auto_mix is not None:
         cands = args.mix_candidates.split(",")
         mix = assign_mix(lm, ppl_seqs[:1], cands, args.auto_mix, chunk=args.chunk, log=print)
@@ -141,9 +147,14 @@ def _eval(args: argparse.Namespace) -> None:
     fp16 = num_layers * layer_bytes_per_token(geom, "float16", args.block_size)
     table = {}
     for name, spec in specs.items():
-        per_layer = [layer_bytes_per_token(geom, f, args.block_size) for f in _per_layer(spec, num_layers)]
+        per_layer = [
+            layer_bytes_per_token(geom, f, args.block_size) for f in _per_layer(spec, num_layers)
+        ]
         table[name] = {"bytes": sum(per_layer), "ratio": sum(per_layer) / fp16}
-        lines += [(f"bytes_per_token_{name}", sum(per_layer), "B"), (f"ratio_vs_fp16_{name}", sum(per_layer) / fp16, "x")]
+        lines += [
+            (f"bytes_per_token_{name}", sum(per_layer), "B"),
+            (f"ratio_vs_fp16_{name}", sum(per_layer) / fp16, "x"),
+        ]
     _emit(lines)
     base = None
     for name, spec in specs.items():
@@ -162,14 +173,21 @@ def _eval(args: argparse.Namespace) -> None:
         for name, spec in specs.items():
             ok = ev.needle(lm, tok, spec, cases, max(args.chunk, 512))
             table[name]["needle"] = f"{sum(ok)}/{len(ok)}"
-            _emit([(f"needle_{name}_{n}", float(o), "pass") for n, o in zip(lengths, ok, strict=True)])
+            _emit(
+                [(f"needle_{name}_{n}", float(o), "pass") for n, o in zip(lengths, ok, strict=True)]
+            )
     if not args.no_layer_errors:
         probes = {n: s for n, s in specs.items() if n != "auto"}
         errs = ev.layer_errors(lm, probes, ppl_seqs[0], args.chunk) if probes else {}
         for name, e in errs.items():
             table[name]["err"] = float(np.mean(e))
             _emit([(f"attn_rel_err_{name}_layer{i}", float(x), "") for i, x in enumerate(e)])
-            _emit([(f"attn_rel_err_{name}_mean", float(np.mean(e)), ""), (f"attn_rel_err_{name}_max", float(np.max(e)), "")])
+            _emit(
+                [
+                    (f"attn_rel_err_{name}_mean", float(np.mean(e)), ""),
+                    (f"attn_rel_err_{name}_max", float(np.max(e)), ""),
+                ]
+            )
     _emit([("eval_seconds", time.perf_counter() - start, "s")])
     print(_table(table))
 
@@ -190,8 +208,9 @@ def _emit(lines: list[tuple[str, float, str]]) -> None:
 
 
 def _table(rows: dict[str, dict]) -> str:
-    head = f"{'format':<12}{'B/token':>9}{'vs fp16':>9}{'ppl':>9}{'dppl %':>9}{'agree %':>9}{'needle':>8}{'attn err':>10}"
-    out = [head]
+    cols = (("format", "<12"), ("B/token", ">9"), ("vs fp16", ">9"), ("ppl", ">9"))
+    cols += (("dppl %", ">9"), ("agree %", ">9"), ("needle", ">8"), ("attn err", ">10"))
+    out = ["".join(f"{c:{w}}" for c, w in cols)]
     for name, r in rows.items():
         out.append(
             f"{name:<12}{r['bytes']:>9.0f}{r['ratio']:>9.3f}{r.get('ppl', float('nan')):>9.3f}"

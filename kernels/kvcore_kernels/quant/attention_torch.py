@@ -61,12 +61,16 @@ def paged_attention_quant_torch(
     explicit = soft_cap is not None or alibi_slopes is not None
     for c in chunks:
         n, key_len = c.num_reqs, c.num_blocks * bs
-        k = read_tokens(cache, c.blocks, 0).to(query.dtype)  # [n * nb, bs, Hk, D]
-        v = read_tokens(cache, c.blocks, 1).to(query.dtype)
+        kv = torch.stack(  # [n, 2, key_len, Hk, D]: the layout build_chunks' pad rows index
+            (
+                read_tokens(cache, c.blocks, 0).view(n, key_len, hk, d),
+                read_tokens(cache, c.blocks, 1).view(n, key_len, hk, d),
+            ),
+            dim=1,
+        ).to(query.dtype)
         if c.pad_rows is not None:
-            k.view(n * key_len, hk * d).index_fill_(0, c.pad_rows, 0)
-            v.view(n * key_len, hk * d).index_fill_(0, c.pad_rows, 0)
-        k, v = k.view(n, key_len, hk, d), v.view(n, key_len, hk, d)
+            kv.view(2 * n * key_len, hk * d).index_fill_(0, c.pad_rows, 0)
+        k, v = kv[:, 0], kv[:, 1]
         q = query.index_select(0, c.q_index).view(n, c.q_max, hq, d)
         if explicit:
             o = _attend_explicit(q, k, v, c, scale, soft_cap, alibi_slopes)

@@ -195,6 +195,19 @@ def allocate_kv_caches(
     return caches
 
 
+def encode_residual(
+    cache: QuantKVCache, slots: torch.Tensor, blocks: torch.Tensor, fills, backend: str
+) -> None:
+    """Quantize residual ``slots`` of a KIVI layer into ``blocks`` (Triton on CUDA)."""
+    from kvcore_kernels.cache import check_backend
+
+    if check_backend(backend, cache.device) == "triton":
+        from kvcore_kernels.quant.store_triton import encode_blocks_triton as encode
+    else:
+        from kvcore_kernels.quant.store import encode_blocks_torch as encode
+    encode(cache, cache.residual, slots, blocks, fills)
+
+
 def _check_fp8_scales(
     scales: float | torch.Tensor | None, num_layers: int, num_kv_heads: int
 ) -> torch.Tensor | None:
@@ -219,11 +232,14 @@ def _check_fp8_scales(
     return t.contiguous()
 
 
-def copy_blocks(caches: Sequence[torch.Tensor | QuantKVCache], src, dst) -> None:
+def copy_blocks(
+    caches: Sequence[torch.Tensor | QuantKVCache], src, dst, *, backend: str = "auto"
+) -> None:
     """Copy blocks ``src[i] -> dst[i]`` in every layer, metadata and KIVI residual included.
 
     The copy-on-write / tier-move primitive: plain caches copy their block rows, quantized
-    ones their byte rows (codes and scales together), KIVI layers also their residual slots.
+    ones their byte rows (codes and scales together), KIVI layers also their residual slots
+    (after quantizing the blocks the last step filled, so only partial ones need a slot).
     ``src``/``dst``: int sequences, NumPy arrays or int tensors of equal length.
     """
     src_np = np.asarray(src.cpu() if isinstance(src, torch.Tensor) else src, dtype=np.int64)
@@ -241,6 +257,12 @@ def copy_blocks(caches: Sequence[torch.Tensor | QuantKVCache], src, dst) -> None
         for c in caches
         if isinstance(c, QuantKVCache) and c.residual_state is not None
     }
+    flushes = {key: st.take_pending() for key, st in states.items()}
+    for cache in caches:
+        if isinstance(cache, QuantKVCache) and cache.residual_state is not None:
+            blocks, slots, fills = flushes[id(cache.residual_state)]
+            if blocks.numel():
+                encode_residual(cache, slots, blocks, fills, backend)
     slot_copies = {key: st.plan_copy(src_np, dst_np) for key, st in states.items()}
     for cache in caches:
         rows = cache.buffer if isinstance(cache, QuantKVCache) else cache

@@ -7,14 +7,15 @@ by every KIVI layer of a model (block ids are the same in every layer)::
     stage_of_block[b] = s >= 0   block b's tokens are in residual slot s (model dtype)
                       = -1       block b is quantized (or was never written)
 
-Per step, ONE host plan (``plan_store``, made by the first layer's store and reused by the
-others) decides, from the step's slot mapping alone:
+Per step, ONE host plan (``plan_for``: made by the first layer's store, reused by the others)
+decides, from the step's slot mapping alone:
 
-    direct     blocks the step writes from offset 0 to the end: quantized straight from K/V
-    staged     every other written block: tokens go to its residual slot (one is assigned;
-               a quantized block written past offset 0, e.g. after copy-on-write, is first
-               decoded into it: "restage")
-    finalize   staged blocks that became full: quantized from the residual, slot freed
+    finalize   blocks the previous step filled (and staged blocks now behind a window) are
+               quantized from the residual first and their slots freed
+    stage      every block this step writes gets a slot (a quantized block written past offset
+               0, e.g. after copy-on-write, is first decoded into it: "restage"); its tokens
+               go there, so this step's queries read this step's keys in the model dtype, as
+               KIVI's prefill does, while keys of earlier steps are read quantized
     evict      when the pool is out of slots, the least recently written staged blocks that
                the step does not touch are quantized as they are (partial: key statistics
                over their ``fill`` valid rows) and their slots reused
@@ -39,18 +40,14 @@ from kvcore_kernels.errors import KernelConfigError
 class StorePlan:
     """One step's residual decisions (device int64 tensors; empty when nothing to do)."""
 
-    evict_blocks: torch.Tensor  # [ne] blocks quantized first (partial), slots reused
-    evict_slots: torch.Tensor  # [ne]
-    evict_fills: torch.Tensor  # [ne] valid rows of each
+    final_blocks: torch.Tensor  # [nf] staged blocks quantized first (slots then reused)...
+    final_slots: torch.Tensor  # [nf] ...from these residual slots
+    final_fills: torch.Tensor  # [nf] valid rows of each (block_size unless evicted early)
     restage_blocks: torch.Tensor  # [nr] quantized blocks decoded into...
     restage_slots: torch.Tensor  # [nr] ...these residual slots before the writes
     stage_tokens: torch.Tensor  # [ns] tokens written to the residual...
     stage_slots: torch.Tensor  # [ns] ...at (slot, offset)
     stage_offsets: torch.Tensor  # [ns]
-    direct_blocks: torch.Tensor  # [nd] blocks the step fills completely
-    direct_tokens: torch.Tensor  # [nd * bs] token of each (block, offset), row-major
-    final_blocks: torch.Tensor  # [nf] staged blocks quantized after the writes
-    final_slots: torch.Tensor  # [nf]
 
 
 class ResidualState:
@@ -65,6 +62,7 @@ class ResidualState:
         self.block_of_slot = np.full(num_slots, -1, dtype=np.int64)
         self.fill = np.zeros(num_blocks, dtype=np.int64)  # valid rows of each block
         self.last_use = np.zeros(num_slots, dtype=np.int64)
+        self.pending = np.empty(0, dtype=np.int64)  # blocks filled by the last step
         self.clock = 0
         self.device_map = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
         self._plan: StorePlan | None = None
@@ -118,27 +116,26 @@ class ResidualState:
         uniq, first = np.unique(slots[tok[::-1]], return_index=True)  # one writer per slot
         tok = tok[::-1][first]
         blk, off = uniq // bs, uniq % bs
-        ub, inv = np.unique(blk, return_inverse=True)
-        count = np.bincount(inv, minlength=len(ub))
+        ub, inv = np.unique(blk, return_inverse=True)  # the blocks this step writes
         min_off = np.full(len(ub), bs, np.int64)
         np.minimum.at(min_off, inv, off)
         new_fill = np.zeros(len(ub), np.int64)
         np.maximum.at(new_fill, inv, off + 1)
         was_staged = self.stage_of_block[ub] >= 0
-        windowed = np.isin(ub, in_window)
-        direct = (count == bs) & ~windowed
-        staged = ~direct
-        restage = staged & ~was_staged & (min_off > 0)
-
-        # Residual slots: keep held ones, free those of direct blocks, allocate the rest.
         stage_of_block = self.stage_of_block.copy()
         block_of_slot = self.block_of_slot.copy()
-        drop = ub[direct & was_staged]
-        block_of_slot[stage_of_block[drop]] = -1
-        stage_of_block[drop] = -1
-        need = ub[staged & ~was_staged]
+
+        # 1. Blocks completed in earlier steps (and staged blocks now behind a window) are
+        #    quantized first, unless this step writes them again or a window keeps them.
+        pre = np.union1d(self.pending, past_window)
+        pre = pre[(stage_of_block[pre] >= 0) & ~np.isin(pre, ub) & ~np.isin(pre, in_window)]
+        block_of_slot[stage_of_block[pre]] = -1
+        pre_slots = stage_of_block[pre]
+        stage_of_block[pre] = -1
+        # 2. Every written block needs a slot: free ones first, then the least recently
+        #    written staged blocks this step does not touch (quantized as they are).
+        need = ub[~was_staged]
         free = np.flatnonzero(block_of_slot < 0)
-        evict_slots = np.empty(0, np.int64)
         if len(need) > len(free):
             holders = np.flatnonzero(block_of_slot >= 0)
             holders = holders[~np.isin(block_of_slot[holders], ub)]
@@ -146,58 +143,52 @@ class ResidualState:
             if short > len(holders):
                 raise KernelConfigError(
                     f"the KIVI residual pool has {self.num_slots} slots but this step writes "
-                    f"{int(staged.sum())} blocks that stay partial: allocate a larger pool"
+                    f"{len(ub)} blocks: allocate a larger pool (num_residual_blocks)"
                 )
-            evict_slots = holders[np.argsort(self.last_use[holders], kind="stable")[:short]]
-            free = np.concatenate([free, evict_slots])
-        evict_blocks = block_of_slot[evict_slots]
-        stage_of_block[evict_blocks] = -1
+            evict = holders[np.argsort(self.last_use[holders], kind="stable")[:short]]
+            free = np.concatenate([free, evict])
+            pre = np.concatenate([pre, block_of_slot[evict]])
+            pre_slots = np.concatenate([pre_slots, evict])
+            stage_of_block[block_of_slot[evict]] = -1
         got = free[: len(need)]
         stage_of_block[need] = got
         block_of_slot[got] = need
-
-        full = new_fill == bs
-        done = staged & full & ~windowed
-        final_blocks = ub[done]
-        old = np.setdiff1d(past_window, np.concatenate([ub, in_window]))
-        old = old[stage_of_block[old] >= 0]
-        final_blocks = np.concatenate([final_blocks, old])
-        final_slots = stage_of_block[final_blocks]
-
-        # Token routing.
-        tok_staged = staged[inv]
-        direct_idx = np.cumsum(direct) - 1
-        direct_tokens = np.empty(int(direct.sum()) * bs, np.int64)
-        sel = ~tok_staged
-        direct_tokens[direct_idx[inv[sel]] * bs + off[sel]] = tok[sel]
+        restage = ~was_staged & (min_off > 0)  # a quantized block written past offset 0
         plan = StorePlan(
             *map(
                 self._dev,
                 (
-                    evict_blocks,
-                    evict_slots,
-                    self.fill[evict_blocks],
+                    pre,
+                    pre_slots,
+                    self.fill[pre],
                     ub[restage],
                     stage_of_block[ub[restage]],
-                    tok[tok_staged],
-                    stage_of_block[blk[tok_staged]],
-                    off[tok_staged],
-                    ub[direct],
-                    direct_tokens,
-                    final_blocks,
-                    final_slots,
+                    tok,
+                    stage_of_block[blk],
+                    off,
                 ),
             )
         )
-        # Commit the host state (nothing above raised).
+        # Commit (nothing above raised): blocks this step filled are quantized next step.
         self.clock += 1
-        self.last_use[stage_of_block[ub[staged]]] = self.clock
-        block_of_slot[final_slots] = -1
-        stage_of_block[final_blocks] = -1
+        self.last_use[stage_of_block[ub]] = self.clock
         self.stage_of_block, self.block_of_slot = stage_of_block, block_of_slot
         self.fill[ub] = new_fill
+        self.pending = ub[(new_fill == bs) & ~np.isin(ub, in_window)]
         self._push_map()
         return plan, slots
+
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Release the blocks the last step filled: ``(blocks, slots, fills)`` that every KIVI
+        layer must quantize now (``copy_blocks`` does, before copying)."""
+        pend = self.pending[self.stage_of_block[self.pending] >= 0]
+        slots = self.stage_of_block[pend]
+        self.block_of_slot[slots] = -1
+        self.stage_of_block[pend] = -1
+        self.pending = np.empty(0, dtype=np.int64)
+        self._push_map()
+        self._plan = None  # the next store is a new step
+        return self._dev(pend), self._dev(slots), self._dev(self.fill[pend])
 
     def plan_copy(self, src: np.ndarray, dst: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy-on-write of blocks ``src -> dst``: staged sources get a slot for ``dst``.
@@ -220,6 +211,7 @@ class ResidualState:
         from_slots = self.stage_of_block[src[staged]]
         self.stage_of_block, self.block_of_slot = stage_of_block, block_of_slot
         self.fill[dst] = self.fill[src]
+        self.pending = np.union1d(self.pending, dst[staged & (self.fill[dst] == self.block_size)])
         self.clock += 1
         self.last_use[to_slots] = self.clock
         self._push_map()

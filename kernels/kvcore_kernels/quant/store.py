@@ -1,8 +1,8 @@
 """Quantizing cache write: encode a step's new K and V (packed tokens) into their slots.
 
 Per-token formats (fp8, int8, int4, int2) encode every token into its slot. KIVI routes tokens
-through the residual plan (``residual`` module): blocks the step fills completely are encoded
-straight from K/V, the others go to the model-dtype residual and are encoded once full. FP8
+through the residual plan (``residual`` module): tokens go to the model-dtype residual and a
+block is encoded (keys per channel, values per token) at the step after it became full. FP8
 caches without given scales calibrate them on their first call (amax of that call's K and V,
 per head or per tensor, times a headroom of ``FP8_MARGIN``). Slots in the null block and
 negative slots (padding) are skipped, as in ``store_kv``.
@@ -97,16 +97,15 @@ def apply_residual_plan(
     value: torch.Tensor,
     encode_blocks,
 ) -> None:
-    """Run one layer's share of a KIVI step plan.
+    """Run one layer's share of a KIVI step plan: finalize, restage, then write the tokens.
 
     ``encode_blocks(cache, src, src_index, dst_blocks, fills)`` quantizes ``src[src_index]``
     (``[n, 2, bs, H, D]``, model dtype) into ``dst_blocks``: the torch twin or the Triton kernel.
-    Order: evictions (free their slots), restages, residual writes, direct blocks, finalizes.
     """
     res = cache.residual
     assert res is not None
-    if plan.evict_blocks.numel():
-        encode_blocks(cache, res, plan.evict_slots, plan.evict_blocks, plan.evict_fills)
+    if plan.final_blocks.numel():
+        encode_blocks(cache, res, plan.final_slots, plan.final_blocks, plan.final_fills)
     if plan.restage_blocks.numel():
         parts = cache.read_blocks(plan.restage_blocks)
         for which in (0, 1):
@@ -116,20 +115,6 @@ def apply_residual_plan(
         where = (plan.stage_slots, plan.stage_offsets)
         res[:, 0].index_put_(where, key.index_select(0, plan.stage_tokens))
         res[:, 1].index_put_(where, value.index_select(0, plan.stage_tokens))
-    if plan.direct_blocks.numel():
-        n, bs = plan.direct_blocks.numel(), cache.block_size
-        shape = (n, bs, cache.num_kv_heads, cache.head_dim)
-        src = torch.stack(
-            (
-                key.index_select(0, plan.direct_tokens).view(shape),
-                value.index_select(0, plan.direct_tokens).view(shape),
-            ),
-            dim=1,
-        )  # [n, 2, bs, H, D]: transient, the size of this step's K/V
-        index = torch.arange(n, device=src.device)
-        encode_blocks(cache, src, index, plan.direct_blocks, None)
-    if plan.final_blocks.numel():
-        encode_blocks(cache, res, plan.final_slots, plan.final_blocks, None)
 
 
 def encode_blocks_torch(
