@@ -156,17 +156,20 @@ def _eval(args: argparse.Namespace) -> None:
             (f"ratio_vs_fp16_{name}", sum(per_layer) / fp16, "x"),
         ]
     _emit(lines)
+    phase = time.perf_counter()
     base = None
     for name, spec in specs.items():
         ppl = ev.perplexity(lm, spec, ppl_seqs, args.chunk)
         base = ppl if base is None else base
         table[name].update(ppl=ppl, dppl=100 * (ppl / base - 1))
         _emit([(f"ppl_{name}", ppl, ""), (f"ppl_delta_pct_{name}", table[name]["dppl"], "%")])
+    phase = _phase("ppl", phase)
     reference = ev.greedy_reference(lm, prompts, args.gen)
     for name, spec in specs.items():
         agree = 100 * ev.agreement(lm, spec, prompts, reference)
         table[name]["agree"] = agree
         _emit([(f"agreement_{name}", agree, f"% of {len(prompts)}x{args.gen} greedy tokens")])
+    phase = _phase("agreement", phase)
     lengths = [int(x) for x in args.needle_lengths.split(",") if x]
     if lengths:
         cases = ev.needle_prompts(tok, ids, lengths, args.seed)
@@ -176,6 +179,7 @@ def _eval(args: argparse.Namespace) -> None:
             _emit(
                 [(f"needle_{name}_{n}", float(o), "pass") for n, o in zip(lengths, ok, strict=True)]
             )
+    phase = _phase("needle", phase)
     if not args.no_layer_errors:
         probes = {n: s for n, s in specs.items() if n != "auto"}
         errs = ev.layer_errors(lm, probes, ppl_seqs[0], args.chunk) if probes else {}
@@ -188,8 +192,15 @@ def _eval(args: argparse.Namespace) -> None:
                     (f"attn_rel_err_{name}_max", float(np.max(e)), ""),
                 ]
             )
+    _phase("layer_errors", phase)
     _emit([("eval_seconds", time.perf_counter() - start, "s")])
     print(_table(table))
+
+
+def _phase(name: str, since: float) -> float:
+    now = time.perf_counter()
+    _emit([(f"eval_seconds_{name}", now - since, "s")])
+    return now
 
 
 def _per_layer(spec: Any, num_layers: int) -> list[str]:

@@ -202,7 +202,7 @@ def encode_residual(
     from kvcore_kernels.cache import check_backend
 
     if check_backend(backend, cache.device) == "triton":
-        from kvcore_kernels.quant.store_triton import encode_blocks_triton as encode
+        from kvcore_kernels.quant.kivi_triton import encode_blocks_triton as encode
     else:
         from kvcore_kernels.quant.store import encode_blocks_torch as encode
     encode(cache, cache.residual, slots, blocks, fills)

@@ -151,7 +151,7 @@ def store_kv_quant(
         assert cache.residual_state is not None
         plan = cache.residual_state.plan_for(cache, slot_mapping, meta)
         if use_triton:
-            from kvcore_kernels.quant.store_triton import encode_blocks_triton as encode
+            from kvcore_kernels.quant.kivi_triton import encode_blocks_triton as encode
         else:
             encode = encode_blocks_torch
         apply_residual_plan(cache, plan, key, value, encode)
