@@ -5,7 +5,15 @@ import numpy as np
 import pytest
 import torch
 from kvcore.errors import InvalidArgumentError
-from kvcore.eval_kv import PagedLM, agreement, greedy_reference, layer_errors, perplexity
+from kvcore.eval_kv import (
+    PagedLM,
+    agreement,
+    greedy_reference,
+    layer_errors,
+    needle,
+    needle_prompts,
+    perplexity,
+)
 from kvcore.mixed_precision import assign_mix
 from kvcore.models import tiny_llama
 
@@ -67,3 +75,28 @@ def test_assign_mix_respects_the_budget(setup):
     assert set(tight.sensitivity) == {"int8", "int2"}
     with pytest.raises(InvalidArgumentError):
         assign_mix(lm, seqs[:1], [], 1.0)
+
+
+class CharTokenizer:
+    """Bytes as token ids (the tiny model has no tokenizer)."""
+
+    def __call__(self, text):
+        class Enc:
+            input_ids = [3 + b % 250 for b in text.encode()]
+
+        return Enc()
+
+    def decode(self, ids):
+        return "".join(chr(i - 3) if 3 <= i < 253 else "?" for i in ids)
+
+
+def test_needle_runs_ragged_lengths_and_checks_the_key(setup):
+    lm, seqs, _ = setup
+    tok = CharTokenizer()
+    corpus = tok("the quick brown fox jumps over the lazy dog. " * 20).input_ids
+    cases = needle_prompts(tok, corpus, [200, 330], seed=1)
+    assert [len(p) for p, _ in cases] == [200, 330]
+    ok = needle(lm, tok, "int8", cases, chunk=64)
+    assert len(ok) == 2 and all(isinstance(x, bool) for x in ok)  # a random model: any answer
+    with pytest.raises(InvalidArgumentError, match="does not fit"):
+        needle_prompts(tok, corpus, [5000], seed=1)

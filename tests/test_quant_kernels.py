@@ -118,7 +118,10 @@ def test_triton_matches_torch_twin(name, dtype, gen):
     seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
     a = _run(name, dtype, "torch", torch.Generator().manual_seed(seed), lens=(29, 18), chunk=11)
     b = _run(name, dtype, "triton", torch.Generator().manual_seed(seed), lens=(29, 18), chunk=11)
-    assert torch.equal(a[0].buffer, b[0].buffer)  # bit-identical encodings
+    if DEVICE == "cpu":  # the interpreter computes in IEEE fp32 like torch: identical bytes
+        assert torch.equal(a[0].buffer, b[0].buffer)
+    else:  # GPU division may differ in the last ulp: a code may flip at a rounding tie
+        assert (a[0].buffer != b[0].buffer).float().mean() < 0.01
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for x, y in zip(a[1], b[1], strict=True):
         assert torch.allclose(x.float(), y.float(), atol=tol, rtol=tol)
@@ -152,3 +155,23 @@ def test_copy_blocks_carries_scales_and_residual(name, gen):
         got = read_tokens(cache, torch.tensor([d], device=DEVICE), 0)
         n = 16 if s == 1 else (5 if s == 3 else 4)  # valid rows of each source block
         assert torch.equal(got[:, :n], expect[s][:, :n])
+
+
+def test_generic_entry_points_dispatch_on_quantized_caches(gen):
+    """``kk.store_kv`` / ``kk.paged_attention`` serve a QuantKVCache like a plain cache."""
+    cache = allocate_kv_caches("int8", 1, 4, BS, H, D, torch.float32, DEVICE)[0]
+    k = torch.randn(5, H, D, generator=gen).to(DEVICE)
+    q = torch.randn(5, HQ, D, generator=gen).to(DEVICE)
+    slots = torch.arange(BS, BS + 5, device=DEVICE)
+    kk.store_kv(k, k, cache, slots)
+    meta = kk.plan_attention(
+        torch.tensor([0, 5], dtype=torch.int32),
+        torch.tensor([5], dtype=torch.int32),
+        torch.tensor([[1]], dtype=torch.int32),
+        BS,
+        device=DEVICE,
+    )
+    out = kk.paged_attention(q, cache, meta, scale=D**-0.5)
+    assert torch.equal(out, paged_attention_quant(q, cache, meta, scale=D**-0.5))
+    with pytest.raises(KernelConfigError):
+        kk.paged_attention(q[:, :5], cache, meta, scale=D**-0.5)  # 5 query heads, 2 KV heads

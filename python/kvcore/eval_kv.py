@@ -136,7 +136,8 @@ class PagedLM:
             ctx.sq_ref = np.zeros(self.num_layers)
             ctx.sq_err = {n: np.zeros(self.num_layers) for n in probes}
         keep = torch.from_numpy(qsl[1:] - 1).to(dev) if last_only else 0
-        ids = torch.tensor(np.concatenate(tokens), device=dev)[None]
+        flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens])
+        ids = torch.from_numpy(flat).to(dev)[None]
         out = self.model(
             input_ids=ids, position_ids=torch.from_numpy(pos).to(dev)[None], use_cache=False,
             logits_to_keep=keep, **{CTX_KWARG: ctx},

@@ -63,7 +63,7 @@ def _eval_parser() -> argparse.ArgumentParser:
     a("--threads", type=int, default=None, help="torch threads (1 is fastest on busy CPUs)")
     a("--backend", default="auto", choices=["auto", "torch", "triton"])
     a("--block-size", type=int, default=16)
-    a("--kivi-window", type=int, default=8, help="KIVI full blocks kept in the model dtype")
+    a("--kivi-window", type=int, default=0, help="KIVI full blocks kept in the model dtype")
     a("--rotate", default=None, choices=["none", "k", "v", "kv"], help="override rotations")
     a("--ppl-seqs", type=int, default=2, help="text sequences for perplexity")
     a("--ppl-len", type=int, default=1024, help="tokens per perplexity sequence")
@@ -76,6 +76,7 @@ def _eval_parser() -> argparse.ArgumentParser:
     a("--mix", default=None, help="a per-layer format list (comma-separated), shown as 'mixed'")
     a("--auto-mix", type=float, default=None, help="assign a mix within this ppl budget (%%)")
     a("--mix-candidates", default="int4,kivi2", help="formats the automatic mix may use")
+    a("--mix-calib-len", type=int, default=512, help="calibration tokens of the automatic mix")
     return p
 
 
@@ -141,7 +142,8 @@ def _eval(args: argparse.Namespace) -> None:
     ]
     if args.auto_mix is not None:
         cands = args.mix_candidates.split(",")
-        mix = assign_mix(lm, ppl_seqs[:1], cands, args.auto_mix, chunk=args.chunk, log=print)
+        calib = [ppl_seqs[0][: args.mix_calib_len]]
+        mix = assign_mix(lm, calib, cands, args.auto_mix, chunk=args.chunk, log=print)
         specs["mixed"] = mix.formats
     lines: list[tuple[str, float, str]] = []
     fp16 = num_layers * layer_bytes_per_token(geom, "float16", args.block_size)

@@ -20,8 +20,9 @@ decides, from the step's slot mapping alone:
                the step does not touch are quantized as they are (partial: key statistics
                over their ``fill`` valid rows) and their slots reused
 
-With a window of ``W`` blocks (``kivi_window``), a request's last ``W`` full blocks stay staged
-too; that needs the step's ``AttentionMetadata`` (block tables and sequence lengths). Blocks of
+With a window of ``W`` blocks (``kivi_window``), the ``W`` full blocks before each request's first
+query token of the step stay staged too (KIVI's full-precision recent tokens); that needs the
+step's ``AttentionMetadata`` (block tables, query and sequence lengths). Blocks of
 finished requests simply age out of the pool by eviction, so no release call is needed; an
 undersized pool costs quality (early quantization), never correctness.
 """
@@ -94,13 +95,16 @@ class ResidualState:
         return self._plan
 
     def _window_blocks(self, meta: object) -> tuple[np.ndarray, np.ndarray]:
-        """(blocks kept staged by the window, blocks of those requests past it)."""
+        """(blocks the window keeps staged, staged-or-not blocks behind it) of the step's
+        requests. The window is the ``window`` full blocks before the step's first query
+        token, so even that token reads them unquantized (later ones also read the step's)."""
         if self.window == 0:
             return np.empty(0, np.int64), np.empty(0, np.int64)
         if meta is None or not hasattr(meta, "host_block_table"):
             raise KernelConfigError("kivi_window > 0 needs the step's meta in store_kv_quant")
         table, lens = meta.host_block_table, meta.host_seq_lens
-        n_full = lens // self.block_size
+        ctx = lens - np.diff(meta.host_query_start_loc)  # tokens before the step's queries
+        n_full = ctx // self.block_size
         cols = np.arange(table.shape[1])[None, :]
         keep = (cols < n_full[:, None]) & (cols >= n_full[:, None] - self.window)
         old = cols < (n_full - self.window)[:, None]
