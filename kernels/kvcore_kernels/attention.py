@@ -133,7 +133,24 @@ def paged_attention(
     Returns ``out`` (allocated if None), same shape and dtype as ``query``. GQA/MQA follow from
     the head counts. ``backend``: "auto" (Triton on CUDA, the torch twin otherwise), "triton",
     "torch". Raises ``KernelConfigError`` for inputs or feature combinations it does not support.
+    A ``kvcore_kernels.quant.QuantKVCache`` is dequantized as it is loaded
+    (``paged_attention_quant``, same contract).
     """
+    if not isinstance(kv_cache, torch.Tensor):
+        from kvcore_kernels.quant import QuantKVCache, paged_attention_quant
+
+        if isinstance(kv_cache, QuantKVCache):
+            return paged_attention_quant(
+                query,
+                kv_cache,
+                meta,
+                scale=scale,
+                sliding_window=sliding_window,
+                soft_cap=soft_cap,
+                alibi_slopes=alibi_slopes,
+                out=out,
+                backend=backend,
+            )
     check_kv_cache(kv_cache)
     if check_backend(backend, kv_cache.device) == "triton":
         from kvcore_kernels.attention_triton import paged_attention_triton as run

@@ -73,11 +73,20 @@ def store_kv(
     slot_mapping: torch.Tensor,
     *,
     backend: str = "auto",
+    meta: object = None,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` in place.
 
     ``backend``: "auto" (Triton on CUDA, the torch twin otherwise), "triton" or "torch".
+    A ``kvcore_kernels.quant.QuantKVCache`` is quantized on write (``store_kv_quant``; ``meta``,
+    the step's ``AttentionMetadata``, is needed only by KIVI with a residual window).
     """
+    if not isinstance(kv_cache, torch.Tensor):
+        from kvcore_kernels.quant import QuantKVCache, store_kv_quant
+
+        if isinstance(kv_cache, QuantKVCache):
+            store_kv_quant(key, value, kv_cache, slot_mapping, meta=meta, backend=backend)
+            return
     check_kv_cache(kv_cache)
     if check_backend(backend, kv_cache.device) == "triton":
         from kvcore_kernels.store_triton import store_kv_triton

@@ -1,0 +1,52 @@
+"""Paged attention over a quantized cache: the entry point (dequantization in the load path)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore_kernels.cache import check_backend
+from kvcore_kernels.errors import KernelConfigError
+from kvcore_kernels.plan import AttentionMetadata
+from kvcore_kernels.quant.cache import QuantKVCache
+
+
+def paged_attention_quant(
+    query: torch.Tensor,
+    cache: QuantKVCache,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``paged_attention``'s contract over a ``QuantKVCache``: K/V are decoded as they are
+    loaded, per tile (Triton) or per gathered chunk (torch twin), never for the whole cache.
+    ``backend``: "auto" (Triton on CUDA, the torch twin otherwise), "triton" or "torch".
+    Rotated caches get ``query @ R`` (scores unchanged) and, for rotated values, the output
+    rotated back; the backends themselves work in the stored basis."""
+    if not isinstance(cache, QuantKVCache):
+        raise KernelConfigError("cache must be a QuantKVCache (allocate_kv_caches)")
+    if check_backend(backend, cache.device) == "triton":
+        from kvcore_kernels.quant.attention_triton import paged_attention_quant_triton as run
+    else:
+        from kvcore_kernels.quant.attention_torch import paged_attention_quant_torch as run
+    rotated_v = "v" in cache.rotate
+    result = run(
+        cache.rotate_in(query, "k") if isinstance(query, torch.Tensor) else query,
+        cache,
+        meta,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        alibi_slopes=alibi_slopes,
+        out=None if rotated_v else out,
+    )
+    if not rotated_v:
+        return result
+    result = cache.rotate_out(result, "v")
+    if out is None:
+        return result
+    return out.copy_(result)

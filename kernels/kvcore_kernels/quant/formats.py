@@ -1,0 +1,260 @@
+"""KV storage formats: the registry, their per-block byte layouts and their configuration checks.
+
+A quantized layer cache is ONE ``uint8`` tensor ``[num_blocks, block_bytes]``: every byte a
+block needs (codes, scales, zero points) sits in that block's row, so copying, sharing or
+moving a block (copy-on-write, tier moves) carries its metadata with it. Each format cuts the
+row into named regions, viewed with their own dtype and shape (``H`` = num_kv_heads, ``D`` =
+head_dim, ``bs`` = block_size, ``G = D / 32``)::
+
+    format     region  per-block shape        dtype    meaning
+    fp8_*      data    [2, bs, H, D]          float8   x / s_head          (s: float32 [2, H],
+                                                                           per layer, not per block)
+    int8       data    [2, bs, H, D]          int8     round(x / s)        symmetric
+               scale   [2, bs, H]             float16  s = amax / 127      per token per head
+    int4       data    [2, bs, H, D/2]        uint8    2 codes per byte    asymmetric, group 32
+               min     [2, bs, H, G]          float16  x = q * s + min
+               scale   [2, bs, H, G]          uint8    s = range / 15 as an e5m3 code (below)
+    int2       data    [2, bs, H, D/4]        uint8    4 codes per byte    plain per-token 2-bit
+               scale   [2, bs, H, G]          float16  s = range / 3       (the KIVI baseline)
+               min     [2, bs, H, G]          float16  x = q * s + min
+    kivi2/4    data    [2, bs, H, D*b/8]      uint8    packed codes        b = 2 or 4 bits
+               kmin    [H, D]                 float16  keys: per channel over the block's tokens
+               kcode   [H, D]                 uint8    s as an e5m3 code (below)
+               vscale  [bs, H]                float16  values: per token (group = D)
+               vmin    [bs, H]                float16  x = q * s + min
+
+Packed codes: element ``d`` of a row lives in byte ``d * b // 8`` at bit ``(d % (8 // b)) * b``.
+An e5m3 code is a scale as an unsigned 8-bit float (5 exponent bits, bias 16, 3 mantissa bits:
+2^-16 .. 61440) rounded UP, so the encoded range always covers the group's (at most 12.5%
+coarser than exact), beside an exact fp16 minimum.
+
+Key rotation (``KVFormat.rotate``): formats marked "k" store ``k @ R`` and attention uses
+``q @ R`` (``R``: a D x D orthonormal Hadamard matrix with seeded random signs, QuaRot's
+incoherence processing), which leaves every score ``q . k`` unchanged but spreads a few large
+key channels over all of them, so per-token groups quantize far better; "v" does the same to
+values and rotates the attention output back (``out @ R^T``). Measured on SmolLM2 (README).
+
+Why these metadata types (bytes per token per head for D = 64, bs = 16; fp16 K+V = 256):
+int8 64+2 per K or V = 0.516 (an fp32 scale would be 0.531, over the 0.53 target); int4 with
+an fp16 scale and an fp16 min is 0.3125, with an e5m3 scale code and an fp16 min 0.297 (an
+integer zero point also fits, 0.297, but snaps the grid to multiples of the scale: +2% more
+perplexity on SmolLM2); kivi2 with an fp16 scale and min per key channel per block is 0.203,
+with an e5m3 code and an fp16 min 0.1875. The
+int2 baseline spends the same 0.1875 on an fp16 scale and min per group of 32. KIVI's partial
+last block (and an optional window of recent full blocks) is kept in the model dtype in a small
+residual pool (``kvcore_kernels.quant.residual``), counted per request by the capacity planner,
+not per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcore_kernels.errors import KernelConfigError
+
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GROUP = 32  # int4 / int2 group along the head dimension
+ROW_ALIGN = 16  # block rows are padded to a multiple of this many bytes
+KCODE_EXP_BIAS = 16  # KIVI key scale code: an unsigned e5m3 float, 2^(e - 16) * (1 + m / 8)
+KCODE_MIN = 2.0**-16  # code 0
+KCODE_MAX = 1.875 * 2.0**15  # code 255
+TRITON_HEAD_DIMS = (64, 128, 256)  # what the Triton kernels compile for (CUDA devices)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One storage format: how a token's K and V are encoded and what metadata it needs."""
+
+    name: str
+    kind: str  # "model" | "fp8" | "int8" | "intg" (groupwise per token) | "kivi"
+    bits: int  # bits per stored element (0 for "model": the model dtype)
+    fp8_dtype: torch.dtype | None = None
+    per_tensor: bool = False  # fp8: one scale per layer for K and V instead of one per head
+    description: str = ""
+    rotate: str = ""  # "", "k", "v" or "kv": Hadamard-rotate keys / values (docstring)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the cache is a ``QuantKVCache`` (False: a plain model-dtype tensor)."""
+        return self.kind != "model"
+
+    @property
+    def codes_per_byte(self) -> int:
+        return 8 // self.bits if self.bits in (2, 4) else 1
+
+
+FORMATS: dict[str, KVFormat] = {
+    f.name: f
+    for f in (
+        KVFormat("auto", "model", 0, description="the model dtype (no quantization)"),
+        KVFormat("fp8_e4m3", "fp8", 8, torch.float8_e4m3fn, False, "FP8 E4M3, per-head", "k"),
+        KVFormat("fp8_e5m2", "fp8", 8, torch.float8_e5m2, False, "FP8 E5M2, per-head", "k"),
+        KVFormat("fp8_e4m3_tensor", "fp8", 8, torch.float8_e4m3fn, True, "FP8 E4M3", "k"),
+        KVFormat("fp8_e5m2_tensor", "fp8", 8, torch.float8_e5m2, True, "FP8 E5M2", "k"),
+        KVFormat("int8", "int8", 8, description="INT8 symmetric, scale per token per head"),
+        KVFormat("int4", "intg", 4, description="INT4 asymmetric, group 32", rotate="k"),
+        KVFormat("int2", "intg", 2, description="plain per-token 2-bit, group 32 (baseline)"),
+        KVFormat(
+            "kivi4", "kivi", 4, description="KIVI 4-bit: K per channel, V per token", rotate="kv"
+        ),
+        KVFormat(
+            "kivi2", "kivi", 2, description="KIVI 2-bit: K per channel, V per token", rotate="kv"
+        ),
+    )
+}
+
+
+def get_format(name: object) -> KVFormat:
+    """The registered format called ``name``; ``KernelConfigError`` listing them otherwise."""
+    if isinstance(name, KVFormat):
+        return name
+    fmt = FORMATS.get(name) if isinstance(name, str) else None
+    if fmt is None:
+        raise KernelConfigError(f"unknown KV format {name!r}; known: {', '.join(FORMATS)}")
+    return fmt
+
+
+def check_format(
+    name: object,
+    *,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    device: torch.device | str | None = None,
+) -> KVFormat:
+    """Resolve ``name`` and check that the kernels can serve it for this geometry and dtype.
+
+    Raises ``KernelConfigError`` (nothing is allocated) for an unknown format, a model dtype
+    other than fp32/fp16/bf16, a head dim the format cannot pack (int4/int2 need a multiple of
+    32, kivi a multiple of 8 // bits), on CUDA a head dim the Triton kernels do not compile for,
+    or FP8 on a CUDA device older than sm89.
+    """
+    fmt = get_format(name)
+    if dtype not in MODEL_DTYPES:
+        raise KernelConfigError(f"model dtype must be one of {MODEL_DTYPES}, got {dtype}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise KernelConfigError(f"head_dim must be a positive int, got {head_dim!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise KernelConfigError(f"block_size must be a positive int, got {block_size!r}")
+    if not fmt.quantized:
+        return fmt
+    if fmt.kind == "intg" and head_dim % GROUP:
+        raise KernelConfigError(
+            f"{fmt.name} quantizes groups of {GROUP} along the head dim: head_dim {head_dim} "
+            f"is not a multiple of {GROUP}"
+        )
+    if fmt.kind == "kivi":
+        if head_dim % fmt.codes_per_byte:
+            raise KernelConfigError(
+                f"{fmt.name} packs {fmt.codes_per_byte} codes per byte: head_dim {head_dim} "
+                f"is not a multiple of {fmt.codes_per_byte}"
+            )
+        if block_size < 2:
+            raise KernelConfigError(f"{fmt.name} quantizes keys over a block: block_size >= 2")
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        if head_dim not in TRITON_HEAD_DIMS:
+            raise KernelConfigError(
+                f"{fmt.name} on CUDA: the Triton kernels serve head_dim {TRITON_HEAD_DIMS}, "
+                f"got {head_dim}"
+            )
+        if fmt.kind == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise KernelConfigError(f"{fmt.name} needs a GPU with FP8 support (sm89 or newer)")
+    return fmt
+
+
+@dataclass(frozen=True)
+class Region:
+    """One named slab of a block row: byte offset, per-block shape and element dtype."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The regions of one block row and the row's size in bytes (padded to ``ROW_ALIGN``)."""
+
+    regions: dict[str, Region]
+    block_bytes: int
+
+
+def block_layout(fmt: KVFormat, block_size: int, num_kv_heads: int, head_dim: int) -> BlockLayout:
+    """The byte layout of one block of a quantized format (see the module docstring)."""
+    bs, h, d = block_size, num_kv_heads, head_dim
+    if not fmt.quantized:
+        raise KernelConfigError("the model-dtype format has no quantized block layout")
+    packed = d * fmt.bits // 8 if fmt.bits < 8 else d
+    data_dtype = {"fp8": fmt.fp8_dtype, "int8": torch.int8}.get(fmt.kind, torch.uint8)
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [
+        ("data", (2, bs, h, packed), data_dtype)
+    ]
+    if fmt.kind == "int8":
+        specs.append(("scale", (2, bs, h), torch.float16))
+    elif fmt.kind == "intg":
+        g = d // GROUP
+        specs.append(("min", (2, bs, h, g), torch.float16))
+        specs.append(("scale", (2, bs, h, g), torch.uint8 if fmt.bits == 4 else torch.float16))
+    elif fmt.kind == "kivi":
+        specs += [
+            ("kmin", (h, d), torch.float16),
+            ("vscale", (bs, h), torch.float16),
+            ("vmin", (bs, h), torch.float16),
+            ("kcode", (h, d), torch.uint8),
+        ]
+    regions: dict[str, Region] = {}
+    offset = 0
+    for name, shape, dtype in specs:
+        region = Region(name, offset, shape, dtype)
+        regions[name] = region
+        offset += region.nbytes
+        offset += -offset % 4  # keep every region 4-byte aligned (fp16 views, vector loads)
+    return BlockLayout(regions, offset + (-offset % ROW_ALIGN))
+
+
+def bytes_per_token(
+    fmt: KVFormat | str, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> float:
+    """K+V bytes one token takes in one layer, metadata included (block row / block_size).
+
+    ``dtype`` is the model dtype (what "auto" stores). Excludes per-layer constants (the FP8
+    scales) and KIVI's residual pool, which the capacity planner counts per request.
+    """
+    fmt = get_format(fmt)
+    if not fmt.quantized:
+        return 2.0 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return block_layout(fmt, block_size, num_kv_heads, head_dim).block_bytes / block_size
+
+
+# Kernel-facing encoding of a format: one integer kind and the byte offsets of up to five regions.
+KIND_FP8_E4M3, KIND_FP8_E5M2, KIND_INT8, KIND_INT4, KIND_INT2, KIND_KIVI = range(6)
+_META_REGIONS = (("scale", "kmin"), ("min", "kcode"), ("vscale",), ("vmin",))
+
+
+def kernel_kind(fmt: KVFormat) -> int:
+    """The ``KIND`` constexpr the Triton kernels branch on."""
+    if fmt.kind == "fp8":
+        return KIND_FP8_E5M2 if fmt.fp8_dtype == torch.float8_e5m2 else KIND_FP8_E4M3
+    if fmt.kind == "intg":
+        return KIND_INT4 if fmt.bits == 4 else KIND_INT2
+    return {"int8": KIND_INT8, "kivi": KIND_KIVI}[fmt.kind]
+
+
+def region_offsets(layout: BlockLayout) -> tuple[int, int, int, int, int]:
+    """Byte offsets in a block row of: data, scale|kmin, min|kcode, vscale, vmin (0 if
+    the format has no such region)."""
+    offsets = [layout.regions["data"].offset]
+    for names in _META_REGIONS:
+        offsets.append(next((layout.regions[n].offset for n in names if n in layout.regions), 0))
+    return tuple(offsets)  # type: ignore[return-value]
