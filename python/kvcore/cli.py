@@ -6,6 +6,8 @@
   ``--compare`` replays the same prompts and output lengths through transformers' ``generate``
   in static batches and prints the throughput ratio.
 * ``kvcore generate "prompt"``: one completion, streamed to stdout.
+* ``kvcore plan`` / ``kvcore eval-kv``: capacity planner and quality gate of the quantized KV
+  formats (``kvcore/quant_cli.py``).
 """
 
 from __future__ import annotations
@@ -159,8 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     # Idle OpenMP threads sleep rather than spin (read when torch loads, below): on cores shared
     # with other work, spinning threads make multi-threaded CPU runs many times slower.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("plan", "eval-kv"):
+        # The quantized-cache commands own their argument parsers (kvcore/quant_cli.py).
+        from kvcore import quant_cli
+
+        sub_main = quant_cli.plan_main if argv[0] == "plan" else quant_cli.eval_kv_main
+        try:
+            return int(sub_main(argv[1:]))
+        except KvCoreError as e:
+            print(f"kvcore: error: {e}", file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(prog="kvcore", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
+    sub.add_parser("plan", help="KV capacity per storage format for a config and memory budget")
+    sub.add_parser("eval-kv", help="quality gate of the quantized KV formats on SmolLM2")
     run = sub.add_parser("run", help="serve the built-in chat workload and print a report")
     _engine_args(run)
     run.add_argument("--conversations", type=int, default=24)
