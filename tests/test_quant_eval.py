@@ -31,13 +31,13 @@ def setup():
     with torch.inference_mode():
         model.set_attn_implementation("sdpa")
         logits = model(torch.tensor(seqs), use_cache=False).logits.float()
-    lm = PagedLM(model, block_size=16, num_residual_blocks=8)
+    lm = PagedLM(model, block_size=16)
     return lm, seqs, logits
 
 
 def test_model_dtype_paged_run_equals_transformers(setup):
     lm, seqs, ref = setup
-    caches = lm.caches("auto", 2, 48)
+    caches = lm.caches("auto", 2, 48, 20)
     rows = [[], []]
     for start in range(0, 48, 20):  # chunked prefill, both sequences packed in one row
         parts = [s[start : start + 20] for s in seqs]

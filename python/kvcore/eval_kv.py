@@ -102,12 +102,18 @@ class PagedLM:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.device = next(model.parameters()).device
 
-    def caches(self, formats: str | list[str], num_seqs: int, max_len: int) -> list[Any]:
-        """Fresh caches for ``num_seqs`` sequences of up to ``max_len`` tokens."""
-        per_seq = -(-max_len // self.block_size)
+    def caches(self, formats, num_seqs: int, max_len: int, step_tokens: int) -> list[Any]:
+        """Fresh caches for ``num_seqs`` sequences of up to ``max_len`` tokens, fed at most
+        ``step_tokens`` tokens per sequence per step (this sizes KIVI's residual pool: every
+        block a step writes, plus the window, per sequence)."""
+        bs = self.block_size
+        per_seq = -(-max_len // bs)
+        window = self.cache_kw.get("kivi_window", 0)
+        slots = num_seqs * (-(-step_tokens // bs) + 1 + window)
         return allocate_kv_caches(
-            formats, self.num_layers, 1 + num_seqs * per_seq, self.block_size, self.num_kv_heads,
-            self.head_dim, self.model.dtype, self.device, **self.cache_kw,
+            formats, self.num_layers, 1 + num_seqs * per_seq, bs, self.num_kv_heads,
+            self.head_dim, self.model.dtype, self.device, num_residual_blocks=slots,
+            **self.cache_kw,
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -152,7 +158,7 @@ def perplexity(lm: PagedLM, formats, seqs: list[list[int]], chunk: int) -> float
     n = len(seqs[0])
     if any(len(s) != n for s in seqs):
         raise InvalidArgumentError("perplexity: sequences must have equal lengths")
-    caches = lm.caches(formats, len(seqs), n)
+    caches = lm.caches(formats, len(seqs), n, chunk)
     nll, count = 0.0, 0
     for start in range(0, n - 1, chunk):
         parts = [s[start : min(start + chunk, n - 1)] for s in seqs]  # the last token is a target
@@ -165,7 +171,8 @@ def perplexity(lm: PagedLM, formats, seqs: list[list[int]], chunk: int) -> float
 
 def greedy_reference(lm: PagedLM, prompts: list[list[int]], gen: int) -> list[list[int]]:
     """``gen`` greedy tokens per prompt on the model-dtype cache, all prompts batched."""
-    caches = lm.caches("auto", len(prompts), max(map(len, prompts)) + gen)
+    longest = max(map(len, prompts))
+    caches = lm.caches("auto", len(prompts), longest + gen, longest)
     logits = lm.step(caches, [0] * len(prompts), prompts, last_only=True)
     out = [[int(t)] for t in logits.argmax(-1)]
     for i in range(gen - 1):
@@ -179,7 +186,8 @@ def greedy_reference(lm: PagedLM, prompts: list[list[int]], gen: int) -> list[li
 def agreement(lm: PagedLM, formats, prompts, reference: list[list[int]]) -> float:
     """Share of reference greedy tokens a format's cache predicts too (teacher forcing)."""
     gen = len(reference[0])
-    caches = lm.caches(formats, len(prompts), max(map(len, prompts)) + gen)
+    longest = max(map(len, prompts))
+    caches = lm.caches(formats, len(prompts), longest + gen, longest)
     logits = lm.step(caches, [0] * len(prompts), prompts, last_only=True)
     hits = int((logits.argmax(-1).cpu() == torch.tensor([r[0] for r in reference])).sum())
     for i in range(gen - 1):
@@ -192,8 +200,8 @@ def agreement(lm: PagedLM, formats, prompts, reference: list[list[int]]) -> floa
 
 def layer_errors(lm: PagedLM, formats: dict[str, Any], seq: list[int], chunk: int) -> dict:
     """Per-layer relative attention-output error of each format (one reference pass)."""
-    ref = lm.caches("auto", 1, len(seq))
-    probes = {name: lm.caches(f, 1, len(seq)) for name, f in formats.items()}
+    ref = lm.caches("auto", 1, len(seq), chunk)
+    probes = {name: lm.caches(f, 1, len(seq), chunk) for name, f in formats.items()}
     err = {name: np.zeros(lm.num_layers) for name in formats}
     sq_ref = np.zeros(lm.num_layers)
     for start in range(0, len(seq), chunk):
@@ -226,7 +234,8 @@ def needle_prompts(tokenizer, corpus_ids: list[int], lengths, seed: int):
 def needle(lm: PagedLM, tokenizer, formats, cases, chunk: int, answer_tokens: int = 8):
     """Whether each case's pass key comes back in the greedy answer (list of bools)."""
     prompts = [p for p, _ in cases]
-    caches = lm.caches(formats, len(prompts), max(map(len, prompts)) + answer_tokens)
+    longest = max(map(len, prompts))
+    caches = lm.caches(formats, len(prompts), longest + answer_tokens, chunk)
     done = [0] * len(prompts)
     answers: list[list[int]] = [[] for _ in prompts]
     while any(d < len(p) for d, p in zip(done, prompts, strict=True)):

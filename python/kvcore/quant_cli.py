@@ -129,7 +129,6 @@ def _eval(args: argparse.Namespace) -> None:
     rotate = {"none": ""}.get(args.rotate, args.rotate)
     lm = ev.PagedLM(
         model, block_size=args.block_size, backend=args.backend, kivi_window=args.kivi_window,
-        num_residual_blocks=max(args.prompts, args.ppl_seqs, 4) * (1 + args.kivi_window),
         rotate=rotate,
     )  # fmt: skip
     ids = corpus_ids(tok)
