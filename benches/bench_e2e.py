@@ -38,7 +38,7 @@ from kvcore.workload import bench_workload  # noqa: E402
 
 def refuse_debug_build() -> None:
     """Benchmarks only run on a release build of the extension."""
-    if getattr(_kvcore, "DEBUG_BUILD", True):
+    if _kvcore.DEBUG_BUILD:
         raise SystemExit("refusing to benchmark a debug build: pip install -e . (release profile)")
 
 
@@ -50,6 +50,7 @@ def run_kvcore(model, wl, args) -> tuple[object, object]:
         max_num_seqs=256,
         max_num_batched_tokens=args.budget,
         prefix_caching="radix",
+        kv_format=args.kv_format,
         seed=args.seed,
     )
     engine = llm.engine
@@ -78,13 +79,17 @@ def main() -> None:
     ap.add_argument("--no-b1", action="store_true", help="skip the (slowest) batch-1 peer")
     ap.add_argument("--budget", type=int, default=2048, help="kvcore token budget per step")
     ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--kv-format", default="auto", help="kvcore's KV storage format")
     args = ap.parse_args()
     refuse_debug_build()
     torch.set_num_threads(args.threads)
     model = tiny_llama(seed=args.seed) if args.model == "tiny" else load_model("smollm2-135m")[0]
     wl = bench_workload(args.variant, model.config.vocab_size, args.seed, args.requests)
     print(f"kvcore_version: {kvcore.__version__}")
-    print(f"workload: {args.variant} model={args.model} threads={args.threads} seed={args.seed}")
+    print(
+        f"workload: {args.variant} model={args.model} threads={args.threads} seed={args.seed} "
+        f"kv_format={args.kv_format}"
+    )
     print(f"omp_wait_policy: {os.environ.get('OMP_WAIT_POLICY')}")
     print(f"output_tokens_requested: {sum(wl.max_tokens)} tok")
     summary, outputs = run_kvcore(model, wl, args)

@@ -94,3 +94,22 @@ def test_chat_stop_strings_and_streaming(smol):
     ]
     assert texts[-1] == full and all(full.startswith(t) for t in texts)
     _check(llm)
+
+
+def test_quantized_kv_formats_keep_the_answers(smol):
+    """The engine on quantized caches: int8 keeps the greedy tokens of the model-dtype cache on
+    these prompts; fp8 and KIVI 2-bit still answer correctly (eval-kv measures them in full)."""
+    model, tok = smol
+    prompts = [_chat_ids(tok, q) for q in [*QUESTIONS, "What is the capital of France?"]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(fmt):
+        llm = LLM(model, tokenizer=tok, kv_format=fmt, num_blocks=64, block_size=8)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        _check(llm)
+        return [o.outputs[0] for o in outs]
+
+    ref = run("auto")
+    assert [c.token_ids for c in run("int8")] == [c.token_ids for c in ref]
+    for fmt in ("fp8_e4m3", "kivi2"):
+        assert "Paris" in run(fmt)[-1].text, fmt

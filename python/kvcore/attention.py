@@ -36,7 +36,8 @@ CTX_KWARG = "kvcore_ctx"
 class AttentionContext:
     """One step's attention metadata, shared by every layer (built once by the ModelRunner)."""
 
-    kv_caches: list[torch.Tensor]  # per layer [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    # per layer [num_blocks, 2, block_size, num_kv_heads, head_dim], or a QuantKVCache
+    kv_caches: list[Any]
     slot_mapping: torch.Tensor  # int64 [num_tokens]; slot = block_id * block_size + offset
     meta: Any  # kvcore_kernels.plan_attention(...) for this step
     backend: str = "auto"  # kernel backend: auto | triton | torch
@@ -70,7 +71,9 @@ def kvcore_attention(
     k = key[0].transpose(0, 1)  # [num_tokens, num_kv_heads, head_dim]
     v = value[0].transpose(0, 1)
     cache = ctx.kv_caches[layer_idx]
-    kvcore_kernels.store_kv(k, v, cache, ctx.slot_mapping, backend=ctx.backend)
+    # A QuantKVCache is quantized on write (the kernels dispatch on the cache type); KIVI's
+    # residual plan reads the step's metadata.
+    kvcore_kernels.store_kv(k, v, cache, ctx.slot_mapping, backend=ctx.backend, meta=ctx.meta)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     out = kvcore_kernels.paged_attention(

@@ -28,6 +28,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
     p.add_argument("--kv-memory-mb", type=int, default=None, help="KV budget in MiB")
+    p.add_argument(
+        "--kv-format",
+        default="auto",
+        help="KV storage: auto | float16 | bfloat16 | fp8_e4m3 | int8 | int4 | kivi2 | ... "
+        "(a comma-separated list: one per layer)",
+    )
     p.add_argument("--prefix-caching", default="radix", choices=["radix", "hash", "off"])
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -46,6 +52,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_memory_bytes=args.kv_memory_mb << 20 if args.kv_memory_mb else None,
+        kv_format=args.kv_format.split(",") if "," in args.kv_format else args.kv_format,
         prefix_caching=args.prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -5,20 +5,25 @@ Every check raises ``InvalidArgumentError`` before any memory is allocated or re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from kvcore_kernels.quant import FORMATS as QUANT_FORMATS
 
 from kvcore.errors import InvalidArgumentError
 
 PREFIX_MODES = ("radix", "hash", "off")
 POLICIES = ("fcfs", "priority")
-KV_FORMATS = {
+KV_FORMATS = {  # model-dtype storage (a plain cache tensor per layer)
     "auto": None,
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# Quantized storage (kvcore_kernels.quant): quantized in the store kernel, dequantized as
+# attention loads it. A list of these (one per layer) is a per-layer mix.
+QUANTIZED_FORMATS = tuple(name for name in QUANT_FORMATS if name != "auto")
 DEFAULT_KV_MEMORY_BYTES = 1 << 30  # on the CPU, when neither blocks nor bytes are given
 
 
@@ -33,8 +38,12 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # including the null block; wins over kv_memory_bytes
     kv_memory_bytes: int | None = None  # KV budget over all layers; default 1 GiB on the CPU
-    kv_format: str = "auto"  # storage dtype: auto (the model's) | float32 | float16 | bfloat16
+    # auto (the model dtype) | float32 | float16 | bfloat16 | a quantized format (fp8_e4m3,
+    # int8, int4, kivi2, ...: QUANTIZED_FORMATS) | a list of formats, one per layer
+    kv_format: str | Sequence[str] = "auto"
     prefix_caching: str = "radix"  # radix | hash | off
+    # FP8 scale of K and V (x is stored as x / scale); None: calibrated on the first forward
+    kv_scale: float | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -48,9 +57,31 @@ class CacheConfig:
             _is_int(self.kv_memory_bytes) and self.kv_memory_bytes > 0
         ):
             raise InvalidArgumentError(f"kv_memory_bytes must be > 0, got {self.kv_memory_bytes!r}")
-        if self.kv_format not in KV_FORMATS:
+        names = [self.kv_format] if isinstance(self.kv_format, str) else self.kv_format
+        if not isinstance(names, Sequence) or not names:
             raise InvalidArgumentError(
-                f"kv_format must be one of {', '.join(KV_FORMATS)}, got {self.kv_format!r}"
+                f"kv_format must be a format name or a non-empty list of them (one per layer), "
+                f"got {self.kv_format!r}"
+            )
+        if not isinstance(self.kv_format, str):
+            self.kv_format = list(self.kv_format)
+        for name in names:
+            if not isinstance(name, str) or not (name in KV_FORMATS or name in QUANTIZED_FORMATS):
+                raise InvalidArgumentError(
+                    f"kv_format must be one of {', '.join([*KV_FORMATS, *QUANTIZED_FORMATS])} "
+                    f"(or a list of them, one per layer), got {name!r}"
+                )
+            if len(names) > 1 and name in KV_FORMATS and name != "auto":
+                raise InvalidArgumentError(
+                    f"a per-layer kv_format list takes auto and quantized formats, not {name!r}"
+                )
+        if self.kv_scale is not None and not (
+            isinstance(self.kv_scale, int | float)
+            and not isinstance(self.kv_scale, bool)
+            and 0 < self.kv_scale < float("inf")
+        ):
+            raise InvalidArgumentError(
+                f"kv_scale must be a finite number > 0 or None, got {self.kv_scale!r}"
             )
         if self.prefix_caching not in PREFIX_MODES:
             raise InvalidArgumentError(
@@ -58,12 +89,34 @@ class CacheConfig:
                 f"got {self.prefix_caching!r}"
             )
 
-    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The storage dtype for a model of ``model_dtype``."""
-        return KV_FORMATS[self.kv_format] or model_dtype
+    @property
+    def quantized(self) -> bool:
+        """Whether any layer stores a quantized format (``QuantKVCache`` layers)."""
+        names = [self.kv_format] if isinstance(self.kv_format, str) else self.kv_format
+        return any(name in QUANTIZED_FORMATS for name in names)
 
-    def resolve_num_blocks(self, bytes_per_block: int, device: torch.device) -> int:
-        """Blocks to allocate (the null block included) for a model needing bytes_per_block."""
+    def layer_formats(self, num_layers: int) -> list[str]:
+        """One quantized-or-"auto" format name per layer (for ``allocate_kv_caches``)."""
+        if isinstance(self.kv_format, str):
+            return [self.kv_format if self.kv_format in QUANTIZED_FORMATS else "auto"] * num_layers
+        if len(self.kv_format) != num_layers:
+            raise InvalidArgumentError(
+                f"a per-layer kv_format list needs one entry per layer ({num_layers}), "
+                f"got {len(self.kv_format)}"
+            )
+        return list(self.kv_format)
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The storage dtype of the model-dtype layers for a model of ``model_dtype``."""
+        if isinstance(self.kv_format, str) and self.kv_format in KV_FORMATS:
+            return KV_FORMATS[self.kv_format] or model_dtype
+        return model_dtype
+
+    def resolve_num_blocks(
+        self, bytes_per_block: int, device: torch.device, reserved_bytes: int = 0
+    ) -> int:
+        """Blocks to allocate (the null block included) for a model needing bytes_per_block;
+        ``reserved_bytes`` (KIVI's residual pool) come out of the budget first."""
         if self.num_blocks is not None:
             return self.num_blocks
         budget = self.kv_memory_bytes
@@ -73,11 +126,11 @@ class CacheConfig:
                 budget = int(free * 0.8)
             else:
                 budget = DEFAULT_KV_MEMORY_BYTES
-        blocks = budget // bytes_per_block
+        blocks = (budget - reserved_bytes) // bytes_per_block
         if blocks < 2:
             raise InvalidArgumentError(
-                f"a KV budget of {budget} bytes holds {blocks} blocks of {bytes_per_block} bytes: "
-                "need at least 2"
+                f"a KV budget of {budget} bytes ({reserved_bytes} of them for KIVI's residual "
+                f"pool) holds {max(blocks, 0)} blocks of {bytes_per_block} bytes: need at least 2"
             )
         return int(blocks)
 

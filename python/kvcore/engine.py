@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvcore_kernels import KernelConfigError
 
 from kvcore.config import CacheConfig, SchedulerConfig
 from kvcore.errors import (
@@ -23,7 +24,12 @@ from kvcore.errors import (
     TooLongError,
     UnknownRequestError,
 )
-from kvcore.model_runner import ModelRunner, kv_bytes_per_block
+from kvcore.model_runner import (
+    ModelRunner,
+    kivi_residual_bytes,
+    kivi_residual_slots,
+    kv_bytes_per_block,
+)
 from kvcore.models import load_model
 from kvcore.outputs import RequestOutput, SamplingParams
 from kvcore.report import EngineStats
@@ -61,11 +67,17 @@ class LLMEngine:
         if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len > 1):
             raise InvalidArgumentError(f"max_model_len must be an int > 1, got {max_model_len!r}")
         self.max_model_len = min(max_model_len or limit, limit)
-        kv_dtype = self.cache_config.kv_dtype(self.model.dtype)
-        block_size = self.cache_config.block_size
-        num_blocks = self.cache_config.resolve_num_blocks(
-            kv_bytes_per_block(config, block_size, kv_dtype), dev
-        )
+        cc, sc = self.cache_config, self.scheduler_config
+        kv_dtype = cc.kv_dtype(self.model.dtype)
+        block_size = cc.block_size
+        formats = cc.layer_formats(int(config.num_hidden_layers))
+        residual_slots = kivi_residual_slots(sc.max_num_seqs, sc.max_num_batched_tokens, block_size)
+        try:
+            bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, formats)
+            reserved = kivi_residual_bytes(config, block_size, kv_dtype, formats, residual_slots)
+        except KernelConfigError as e:
+            raise InvalidArgumentError(f"kv_format: {e}") from None
+        num_blocks = cc.resolve_num_blocks(bytes_per_block, dev, reserved)
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self.scheduler = build_scheduler(
             num_blocks,
@@ -74,13 +86,19 @@ class LLMEngine:
             self.max_model_len,
             self.eos_token_ids[0] if self.eos_token_ids else None,
         )
-        self.runner = ModelRunner(
-            self.model,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            kv_dtype=kv_dtype,
-            backend=kernel_backend,
-        )
+        try:
+            self.runner = ModelRunner(
+                self.model,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                kv_dtype=kv_dtype,
+                kv_formats=formats,
+                kv_scale=cc.kv_scale,
+                num_residual_blocks=min(residual_slots, num_blocks),
+                backend=kernel_backend,
+            )
+        except KernelConfigError as e:  # e.g. int4 on a head dim that is not a multiple of 32
+            raise InvalidArgumentError(f"kv_format {cc.kv_format!r}: {e}") from None
         self.sampler = Sampler(self.vocab_size, dev, seed=seed)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
         self._requests: dict[int, Request] = {}  # internal id -> request

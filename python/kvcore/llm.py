@@ -52,7 +52,8 @@ class LLM:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
-        kv_format: str = "auto",
+        kv_format: str | Sequence[str] = "auto",
+        kv_scale: float | None = None,
         prefix_caching: str = "radix",
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
@@ -71,6 +72,7 @@ class LLM:
             num_blocks=num_blocks,
             kv_memory_bytes=kv_memory_bytes,
             kv_format=kv_format,
+            kv_scale=kv_scale,
             prefix_caching=prefix_caching,
         )
         scheduler_config = scheduler_config or SchedulerConfig(
