@@ -200,17 +200,29 @@ impl KvManager {
     /// Longest cached prefix of `tokens` in `ns`, capped at `max_tokens` (callers pass
     /// `len - 1` so the last prompt token is always computed). Counts a query; no other effect.
     pub fn match_prefix(&mut self, ns: u64, tokens: &[u32], max_tokens: usize) -> PrefixHit {
+        let hit = self.lookup_prefix(ns, tokens, max_tokens);
+        self.record_query(tokens.len(), hit.num_tokens);
+        hit
+    }
+
+    /// `match_prefix` without counting a query: for callers that may retry the same request
+    /// (a scheduler's blocked queue head) and count it once, with `record_query`, when admitted.
+    pub fn lookup_prefix(&mut self, ns: u64, tokens: &[u32], max_tokens: usize) -> PrefixHit {
         let mut blocks = Vec::new();
         let n = self.cache.match_prefix(ns, tokens, max_tokens, &mut blocks);
-        self.stats.queries += 1;
-        self.stats.query_tokens += tokens.len() as u64;
-        self.stats.hit_tokens += n as u64;
         PrefixHit {
             num_tokens: n,
             blocks,
             ns,
             epoch: self.epoch,
         }
+    }
+
+    /// Counts one prefix query of `query_tokens` tokens that hit `hit_tokens` of them.
+    pub fn record_query(&mut self, query_tokens: usize, hit_tokens: usize) {
+        self.stats.queries += 1;
+        self.stats.query_tokens += query_tokens as u64;
+        self.stats.hit_tokens += hit_tokens as u64;
     }
 
     /// Admits `req`: refs the hit's blocks and allocates so its table covers

@@ -57,7 +57,7 @@ pub struct SchedulerStats {
     pub kv_usage: f64,
     /// Blocks allocatable now (free plus evictable cached).
     pub num_free_blocks: u32,
-    /// Prefix-cache lookups.
+    /// Prefix-cache lookups, one per admission (a blocked head's retries are not counted).
     pub prefix_queries: u64,
     /// Tokens looked up in the prefix cache.
     pub prefix_query_tokens: u64,

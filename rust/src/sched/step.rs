@@ -194,10 +194,11 @@ impl Scheduler {
             if self.running_slots + seq.slots() > max_slots {
                 break;
             }
-            // The last token is always computed so that its logits can be sampled.
+            // The last token is always computed so that its logits can be sampled. A head
+            // that cannot be admitted is looked up again next step: count it once, admitted.
             let hit = self
                 .kv
-                .match_prefix(seq.namespace, &seq.tokens, seq.tokens.len() - 1);
+                .lookup_prefix(seq.namespace, &seq.tokens, seq.tokens.len() - 1);
             let computed = hit.num_tokens;
             let num_new = self.chunk(seq.tokens.len() - computed, *budget);
             if !self.kv.admit(
@@ -210,6 +211,7 @@ impl Scheduler {
             )? {
                 break;
             }
+            self.kv.record_query(seq.tokens.len(), computed);
             self.waiting.remove(&key);
             let seq = self.seqs[idx].as_mut().expect("waiting sequence is live");
             seq.num_computed = computed;

@@ -201,6 +201,26 @@ fn max_num_seqs_caps_admission() {
     assert_eq!(chunks(&step(&mut s, &mut out)), vec![(2, 4)]);
 }
 
+#[test]
+fn blocked_queue_head_counts_one_prefix_query() {
+    // 6 usable blocks of 4: request 0 holds 4 of them (growing to 5), request 1 needs 3, so
+    // it waits several steps; its repeated lookups count as one query, made when admitted.
+    let mut s = Scheduler::new(cfg(7, 4, 100)).unwrap();
+    s.add_requests(vec![
+        NewRequest::new(0, prompt(16, 0), 4),
+        NewRequest::new(1, prompt(12, 1), 2),
+    ])
+    .unwrap();
+    let mut out = Outputs::new();
+    for _ in 0..3 {
+        step(&mut s, &mut out);
+        assert_eq!(s.stats().prefix_queries, 1);
+    }
+    out.extend(drain(&mut s, 20));
+    let st = s.stats();
+    assert_eq!((st.prefix_queries, st.prefix_query_tokens), (2, 28));
+}
+
 /// Two requests outgrow a small pool: the later arrival is preempted, recomputed, and both
 /// outputs equal those of a run in a big pool.
 #[test]
