@@ -9,19 +9,9 @@ import pytest
 from kvcore import CacheConfig, InvalidArgumentError
 from kvcore.llm import LLM
 from kvcore.models import tiny_llama
-from kvcore.outputs import SamplingParams
+from test_engine import SMALL, VOCAB, _check, _greedy, _prompts
 
-VOCAB = 128
-# head_dim 32: the smallest the group-32 formats (int4, int2) pack.
-QCFG = dict(
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=VOCAB,
-    max_position_embeddings=256,
-)
+QCFG = {**SMALL, "hidden_size": 128}  # head_dim 32: the smallest int4 / int2 pack (groups of 32)
 FORMATS = ["fp8_e4m3", "int8", "int4", "int2", "kivi2", "kivi4", ["int8", "kivi2"]]
 
 
@@ -30,28 +20,12 @@ def model():
     return tiny_llama(seed=5, **QCFG)
 
 
-def _prompts(lengths, seed=0, prefix=()):
-    rng = np.random.default_rng(seed)
-    return [list(prefix) + rng.integers(3, VOCAB, n).tolist() for n in lengths]
-
-
-def _greedy(n_tokens, **kw):
-    return SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True, **kw)
-
-
-def _check(llm):
-    engine = llm.engine
-    assert not engine.has_unfinished_requests()
-    engine.scheduler.check_invariants()
-    assert engine.all_blocks_free()
-
-
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_every_format_serves_prefix_fork_chunked_and_preempted(model, fmt):
     shared = _prompts([21], seed=1)[0]
     prompts = _prompts([3, 30, 11], seed=2, prefix=shared) + _prompts([17], seed=3)
-    # 4-token blocks, a 16-token budget (chunked prefill), 24 blocks for up to 4 x 2 x 13 blocks
-    # of sequence (the n=2 request forks, copy-on-write): preemption happens.
+    # 4-token blocks, a 16-token budget (chunked prefill) and 23 usable blocks, fewer than the
+    # requests need at once (the n=2 request forks, copy-on-write): preemption happens.
     llm = LLM(model, kv_format=fmt, block_size=4, num_blocks=24, max_num_batched_tokens=16, seed=0)
     params = [_greedy(20), _greedy(20, n=2), _greedy(12), _greedy(20)]
     outs = llm.generate(prompts, params, use_tqdm=False)
