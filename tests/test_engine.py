@@ -107,6 +107,40 @@ def test_forced_preemption_matches_generate(model):
     _check(llm)
 
 
+class _PlanSpy:
+    """Wraps the engine's scheduler and keeps (query lengths, seq lens) of every plan."""
+
+    def __init__(self, scheduler):
+        self._inner, self.rows = scheduler, []
+
+    def schedule(self):
+        plan = self._inner.schedule()
+        self.rows.append((np.diff(np.asarray(plan.query_start_loc)), np.asarray(plan.seq_lens)))
+        return plan
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_without_chunked_prefill_prompts_run_whole_and_match_generate(model):
+    prompts = _prompts([30, 12, 25, 7], seed=8)
+    llm = _llm(model, max_num_batched_tokens=48, max_model_len=48, enable_chunked_prefill=False)
+    spy = llm.engine.scheduler = _PlanSpy(llm.engine.scheduler)
+    outs = llm.generate(prompts, _greedy(10), use_tqdm=False)
+    # A multi-token row is a whole prompt (it ends where its sequence ends and starts at 0: no
+    # prefix hits here), never a chunk; and the 48-token budget forced some prompt to wait.
+    assert all(n == 1 or n == s for q, seq in spy.rows for n, s in zip(q, seq, strict=True))
+    assert len(spy.rows[0][0]) < len(prompts)
+    for o, p in zip(outs, prompts, strict=True):
+        assert o.outputs[0].token_ids == _hf_greedy(model, p, 10)
+    llm.engine.scheduler = spy._inner
+    _check(llm)
+    with pytest.raises(InvalidArgumentError, match="max_model_len"):
+        _llm(model, max_num_batched_tokens=32, max_model_len=48, enable_chunked_prefill=False)
+    with pytest.raises(InvalidArgumentError, match="needs enable_chunked_prefill"):
+        _llm(model, long_prefill_token_threshold=8, enable_chunked_prefill=False)
+
+
 def test_n_samples_fork_greedy(model):
     prompts = _prompts([10, 14], seed=5)
     llm = _llm(model)

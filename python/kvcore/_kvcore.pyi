@@ -432,10 +432,13 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         watermark: float = 0.01,
         eos_token_id: int | None = None,
+        enable_chunked_prefill: bool = True,
     ) -> Self:
         """``num_blocks`` includes the null block; ``prefix_mode`` is ``"radix"``, ``"hash"``
         or ``"off"``; ``long_prefill_token_threshold`` caps a sequence's prefill chunk per step
-        (0: no cap); ``watermark`` is the fraction of blocks admission keeps free."""
+        (0: no cap); ``watermark`` is the fraction of blocks admission keeps free;
+        ``enable_chunked_prefill=False`` computes each prompt in one step (the budget must
+        hold ``max_model_len`` tokens)."""
 
     def add_requests(
         self,

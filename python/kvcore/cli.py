@@ -37,6 +37,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-caching", default="radix", choices=["radix", "hash", "off"])
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--no-chunked-prefill",
+        dest="chunked_prefill",
+        action="store_false",
+        help="compute each prompt in one step (needs a budget of --max-model-len tokens)",
+    )
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -56,6 +63,8 @@ def _make_llm(args: argparse.Namespace) -> Any:
         prefix_caching=args.prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.chunked_prefill,
+        max_model_len=args.max_model_len,
         device=args.device,
         seed=args.seed,
     )

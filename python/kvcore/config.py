@@ -139,8 +139,11 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching: token budget per step, running cap, prefill chunking, policy.
 
-    Prefill is always chunked to fit the step's token budget (decodes are scheduled first);
-    ``long_prefill_token_threshold`` further caps one request's prefill chunk per step.
+    With ``enable_chunked_prefill`` (the default) a prompt is split over steps to fit the token
+    budget beside the running decodes (scheduled first); ``long_prefill_token_threshold``
+    further caps one request's prefill chunk per step. Without it a prompt is computed in one
+    step or waits, so the budget must hold ``max_model_len`` tokens (checked when the engine
+    knows the model's length).
     """
 
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
@@ -148,6 +151,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: only the budget caps a prefill chunk
     policy: str = "fcfs"  # fcfs | priority (smaller value first; ties by arrival)
     watermark: float = 0.01  # fraction of the blocks admission keeps free
+    enable_chunked_prefill: bool = True  # split prompts over steps (vLLM's flag)
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -161,6 +165,14 @@ class SchedulerConfig:
         if self.policy not in POLICIES:
             raise InvalidArgumentError(
                 f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}"
+            )
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise InvalidArgumentError(
+                f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}"
+            )
+        if not self.enable_chunked_prefill and self.long_prefill_token_threshold:
+            raise InvalidArgumentError(
+                "long_prefill_token_threshold caps prefill chunks: it needs enable_chunked_prefill"
             )
         if not (isinstance(self.watermark, int | float) and 0 <= self.watermark < 1):
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {self.watermark!r}")

@@ -58,6 +58,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
         long_prefill_token_threshold: int = 0,
+        enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
@@ -79,6 +80,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            enable_chunked_prefill=enable_chunked_prefill,
             policy=policy,
         )
         self.engine = LLMEngine(

@@ -38,6 +38,7 @@ def build_scheduler(
         long_prefill_token_threshold=sched.long_prefill_token_threshold,
         watermark=sched.watermark,
         eos_token_id=eos_token_id,
+        enable_chunked_prefill=sched.enable_chunked_prefill,
     )
 
 

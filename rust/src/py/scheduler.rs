@@ -31,7 +31,7 @@ impl PyScheduler {
     #[pyo3(signature = (
         num_blocks, block_size=16, max_num_batched_tokens=8192, max_num_seqs=256,
         max_model_len=8192, prefix_mode="radix", policy="fcfs", long_prefill_token_threshold=0,
-        watermark=0.01, eos_token_id=None
+        watermark=0.01, eos_token_id=None, enable_chunked_prefill=true
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -45,6 +45,7 @@ impl PyScheduler {
         long_prefill_token_threshold: i64,
         watermark: f64,
         eos_token_id: Option<i64>,
+        enable_chunked_prefill: bool,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
             conv(num_blocks, "num_blocks")?,
@@ -65,6 +66,7 @@ impl PyScheduler {
         };
         cfg.long_prefill_token_threshold =
             conv(long_prefill_token_threshold, "long_prefill_token_threshold")?;
+        cfg.enable_chunked_prefill = enable_chunked_prefill;
         cfg.watermark = watermark;
         cfg.eos_token_id = eos_token_id.map(|t| conv(t, "eos_token_id")).transpose()?;
         Ok(PyScheduler {

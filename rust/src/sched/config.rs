@@ -35,6 +35,9 @@ pub struct SchedulerConfig {
     pub policy: Policy,
     /// Cap on prefill tokens per sequence per step; 0 = only the step budget caps a chunk.
     pub long_prefill_token_threshold: u32,
+    /// Split prompts over steps (vLLM's `enable_chunked_prefill`). Off: a prompt is computed
+    /// in one step or waits, so the budget must hold `max_model_len` tokens.
+    pub enable_chunked_prefill: bool,
     /// Fraction of the pool that admission keeps free, in `[0, 1)`.
     pub watermark: f64,
     /// End-of-sequence token id, if the model has one.
@@ -54,12 +57,14 @@ impl SchedulerConfig {
             max_model_len: 8192,
             policy: Policy::Fcfs,
             long_prefill_token_threshold: 0,
+            enable_chunked_prefill: true,
             watermark: 0.01,
             eos_token_id: None,
         }
     }
 
-    /// Refuses zero sizes and a watermark outside `[0, 1)`.
+    /// Refuses zero sizes, a watermark outside `[0, 1)`, and without chunked prefill a budget
+    /// smaller than `max_model_len` or a prefill cap.
     pub fn validate(&self) -> KvResult<()> {
         let bad = |m: &str| Err(KvError::InvalidArgument(m.to_string()));
         if self.block_size == 0 {
@@ -76,6 +81,21 @@ impl SchedulerConfig {
         }
         if self.max_model_len < 2 {
             return bad("max_model_len must be at least 2 (one prompt and one output token)");
+        }
+        if !self.enable_chunked_prefill {
+            if self.max_num_batched_tokens < self.max_model_len {
+                return Err(KvError::InvalidArgument(format!(
+                    "without chunked prefill a prompt is computed in one step, so \
+                     max_num_batched_tokens ({}) must be at least max_model_len ({}): raise \
+                     the budget, lower max_model_len or enable chunked prefill",
+                    self.max_num_batched_tokens, self.max_model_len
+                )));
+            }
+            if self.long_prefill_token_threshold > 0 {
+                return bad(
+                    "long_prefill_token_threshold caps prefill chunks: it needs chunked prefill",
+                );
+            }
         }
         if !(0.0..1.0).contains(&self.watermark) {
             return bad("watermark must be in [0, 1)");

@@ -50,10 +50,11 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             0usize..3,
             proptest::option::of(3u32..1000),
             24u32..80,
+            prop::bool::weighted(0.75),
         ),
     )
         .prop_map(
-            |((num_blocks, bs, budget, seqs), (thr, wm, prio, mode, eos, max_len))| {
+            |((num_blocks, bs, budget, seqs), (thr, wm, prio, mode, eos, max_len, chunked))| {
                 let mut c = SchedulerConfig::new(num_blocks, bs);
                 c.max_num_batched_tokens = budget;
                 c.max_num_seqs = seqs;
@@ -63,6 +64,12 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                 c.prefix_mode = [PrefixMode::Off, PrefixMode::Radix, PrefixMode::Hash][mode];
                 c.eos_token_id = eos;
                 c.max_model_len = max_len;
+                if !chunked {
+                    // Whole prompts only: the budget must hold a whole sequence, no cap.
+                    c.enable_chunked_prefill = false;
+                    c.long_prefill_token_threshold = 0;
+                    c.max_num_batched_tokens = budget.max(max_len);
+                }
                 c
             },
         )

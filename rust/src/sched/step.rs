@@ -156,7 +156,11 @@ impl Scheduler {
     }
 
     /// Tokens a sequence computes this step: what it lacks, within budget and prefill cap.
+    /// Without chunked prefill: all it lacks or, when that does not fit, 0 (it waits).
     fn chunk(&self, remaining: usize, budget: usize) -> usize {
+        if !self.cfg.enable_chunked_prefill {
+            return if remaining <= budget { remaining } else { 0 };
+        }
         let mut n = remaining.min(budget);
         let cap = self.cfg.long_prefill_token_threshold as usize;
         if cap > 0 {
@@ -201,6 +205,9 @@ impl Scheduler {
                 .lookup_prefix(seq.namespace, &seq.tokens, seq.tokens.len() - 1);
             let computed = hit.num_tokens;
             let num_new = self.chunk(seq.tokens.len() - computed, *budget);
+            if num_new == 0 {
+                break; // without chunked prefill the head's prompt waits for a roomier step
+            }
             if !self.kv.admit(
                 seq.kv_id,
                 seq.namespace,

@@ -202,6 +202,55 @@ fn max_num_seqs_caps_admission() {
 }
 
 #[test]
+fn without_chunked_prefill_prompts_are_computed_whole() {
+    let mut c = cfg(64, 4, 16);
+    c.max_model_len = 16;
+    c.enable_chunked_prefill = false;
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_requests(vec![
+        NewRequest::new(0, prompt(10, 0), 3),
+        NewRequest::new(1, prompt(10, 1), 3),
+    ])
+    .unwrap();
+    let mut out = Outputs::new();
+    // 16 tokens of budget: request 1's 10 do not fit beside request 0's, so it waits whole.
+    assert_eq!(chunks(&step(&mut s, &mut out)), vec![(0, 10)]);
+    assert_eq!(chunks(&step(&mut s, &mut out)), vec![(0, 1), (1, 10)]);
+    out.extend(drain(&mut s, 10));
+    assert_eq!(out[&(1, 0)].0, expected_output(&prompt(10, 1), 0, 3));
+    // The same workload chunked: request 1 starts at once with the 6 tokens left.
+    let mut s = Scheduler::new(cfg(64, 4, 16)).unwrap();
+    s.add_requests(vec![
+        NewRequest::new(0, prompt(10, 0), 3),
+        NewRequest::new(1, prompt(10, 1), 3),
+    ])
+    .unwrap();
+    assert_eq!(
+        chunks(&step(&mut s, &mut Outputs::new())),
+        vec![(0, 10), (1, 6)]
+    );
+}
+
+#[test]
+fn without_chunked_prefill_the_budget_must_hold_a_whole_sequence() {
+    let mut c = cfg(64, 4, 16);
+    c.enable_chunked_prefill = false;
+    c.max_model_len = 17;
+    assert!(matches!(
+        Scheduler::new(c.clone()),
+        Err(KvError::InvalidArgument(_))
+    ));
+    c.max_model_len = 16;
+    c.long_prefill_token_threshold = 8;
+    assert!(matches!(
+        Scheduler::new(c.clone()),
+        Err(KvError::InvalidArgument(_))
+    ));
+    c.long_prefill_token_threshold = 0;
+    assert!(Scheduler::new(c).is_ok());
+}
+
+#[test]
 fn blocked_queue_head_counts_one_prefix_query() {
     // 6 usable blocks of 4: request 0 holds 4 of them (growing to 5), request 1 needs 3, so
     // it waits several steps; its repeated lookups count as one query, made when admitted.
