@@ -20,13 +20,25 @@ def model():
     return tiny_llama(seed=5, **QCFG)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=str)
-def test_every_format_serves_prefix_fork_chunked_and_preempted(model, fmt):
+@pytest.mark.parametrize(
+    "fmt, window", [(f, 0) for f in FORMATS] + [("kivi2", 2)], ids=lambda x: str(x)
+)
+def test_every_format_serves_prefix_fork_chunked_and_preempted(model, fmt, window):
     shared = _prompts([21], seed=1)[0]
     prompts = _prompts([3, 30, 11], seed=2, prefix=shared) + _prompts([17], seed=3)
     # 4-token blocks, a 16-token budget (chunked prefill) and 23 usable blocks, fewer than the
     # requests need at once (the n=2 request forks, copy-on-write): preemption happens.
-    llm = LLM(model, kv_format=fmt, block_size=4, num_blocks=24, max_num_batched_tokens=16, seed=0)
+    llm = LLM(
+        model,
+        kv_format=fmt,
+        kivi_window=window,
+        block_size=4,
+        num_blocks=24,
+        max_num_batched_tokens=16,
+        seed=0,
+    )
+    if window:
+        assert llm.engine.runner.kv_caches[0].residual_state.window == window
     params = [_greedy(20), _greedy(20, n=2), _greedy(12), _greedy(20)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.scheduler.stats()
@@ -119,6 +131,7 @@ def test_memory_budget_buys_more_blocks_in_smaller_formats(model):
         (dict(kv_format=["int8", "float16"]), "per-layer kv_format list"),
         (dict(kv_format="fp8_e4m3", kv_scale=-1.0), "kv_scale"),
         (dict(kv_format="fp8_e4m3", kv_scale=float("nan")), "kv_scale"),
+        (dict(kv_format="kivi2", kivi_window=-1), "kivi_window"),
     ],
 )
 def test_bad_formats_are_refused(model, kw, match):

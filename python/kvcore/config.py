@@ -44,6 +44,9 @@ class CacheConfig:
     prefix_caching: str = "radix"  # radix | hash | off
     # FP8 scale of K and V (x is stored as x / scale); None: calibrated on the first forward
     kv_scale: float | None = None
+    # KIVI: full blocks before each request's newest tokens kept in the model dtype (besides its
+    # partial last block), KIVI's full-precision window of recent tokens
+    kivi_window: int = 0
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -75,6 +78,10 @@ class CacheConfig:
                 raise InvalidArgumentError(
                     f"a per-layer kv_format list takes auto and quantized formats, not {name!r}"
                 )
+        if not (_is_int(self.kivi_window) and 0 <= self.kivi_window <= 64):
+            raise InvalidArgumentError(
+                f"kivi_window must be an int in [0, 64] (blocks), got {self.kivi_window!r}"
+            )
         if self.kv_scale is not None and not (
             isinstance(self.kv_scale, int | float)
             and not isinstance(self.kv_scale, bool)

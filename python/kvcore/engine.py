@@ -71,7 +71,9 @@ class LLMEngine:
         kv_dtype = cc.kv_dtype(self.model.dtype)
         block_size = cc.block_size
         formats = cc.layer_formats(int(config.num_hidden_layers))
-        residual_slots = kivi_residual_slots(sc.max_num_seqs, sc.max_num_batched_tokens, block_size)
+        residual_slots = kivi_residual_slots(
+            sc.max_num_seqs, sc.max_num_batched_tokens, block_size, cc.kivi_window
+        )
         try:
             bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, formats)
             reserved = kivi_residual_bytes(config, block_size, kv_dtype, formats, residual_slots)
@@ -95,6 +97,7 @@ class LLMEngine:
                 kv_formats=formats,
                 kv_scale=cc.kv_scale,
                 num_residual_blocks=min(residual_slots, num_blocks),
+                kivi_window=cc.kivi_window,
                 backend=kernel_backend,
             )
         except KernelConfigError as e:  # e.g. int4 on a head dim that is not a multiple of 32

@@ -54,6 +54,7 @@ class LLM:
         kv_memory_bytes: int | None = None,
         kv_format: str | Sequence[str] = "auto",
         kv_scale: float | None = None,
+        kivi_window: int = 0,
         prefix_caching: str = "radix",
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
@@ -74,6 +75,7 @@ class LLM:
             kv_memory_bytes=kv_memory_bytes,
             kv_format=kv_format,
             kv_scale=kv_scale,
+            kivi_window=kivi_window,
             prefix_caching=prefix_caching,
         )
         scheduler_config = scheduler_config or SchedulerConfig(

@@ -62,8 +62,11 @@ def kv_bytes_per_block(
     return total
 
 
-def kivi_residual_slots(max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> int:
-    """KIVI residual slots the engine allocates: every block one step can write gets one.
+def kivi_residual_slots(
+    max_num_seqs: int, max_num_batched_tokens: int, block_size: int, window: int = 0
+) -> int:
+    """KIVI residual slots the engine allocates: every block one step can write gets one,
+    plus each running sequence's ``window`` recent full blocks.
 
     A step writes at most ``max_num_batched_tokens`` tokens for at most ``max_num_seqs``
     sequences; each sequence's span touches at most ``ceil(q / bs) + 1`` blocks, so the step
@@ -71,7 +74,7 @@ def kivi_residual_slots(max_num_seqs: int, max_num_batched_tokens: int, block_si
     Between steps a slot holds a running sequence's partial last block (KIVI's residual).
     """
     per_step = 2 * max_num_seqs + -(-max_num_batched_tokens // block_size)
-    return min(max_num_batched_tokens, per_step)
+    return min(max_num_batched_tokens, per_step) + max_num_seqs * window
 
 
 def kivi_residual_bytes(
@@ -97,6 +100,7 @@ class ModelRunner:
         kv_formats: list[str] | None = None,
         kv_scale: float | None = None,
         num_residual_blocks: int | None = None,
+        kivi_window: int = 0,
         backend: str = "auto",
     ):
         self.model = model
@@ -122,6 +126,7 @@ class ModelRunner:
                 self.device,
                 fp8_scales=kv_scale,
                 num_residual_blocks=num_residual_blocks,
+                kivi_window=kivi_window,
             )
         else:
             self.kv_caches = [
