@@ -5,20 +5,9 @@ equal transformers' generate with chunked prefill, prefix hits and mixed lengths
 import pytest
 import torch
 from kvcore.llm import LLM
-from test_engine import _check, _greedy, _hf_greedy, _prompts
+from test_engine import SMALL, _check, _greedy, _hf_greedy, _prompts
 
-GEOMETRY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=128,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
+GEOMETRY = {**SMALL, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 
 
 def _family(name):
