@@ -1,73 +1,14 @@
-"""The attention backend and ModelRunner on hand-built step plans, against plain transformers.
-
-Until kvcore_kernels lands its kernels, a small local reference of the contract (store_kv,
-plan_attention, paged_attention on ``[num_blocks, 2, block_size, kv_heads, head_dim]``) stands in.
-"""
+"""The attention backend and ModelRunner on hand-built step plans, against plain transformers."""
 
 from types import SimpleNamespace
 
-import kvcore_kernels
 import numpy as np
 import pytest
 import torch
 from kvcore.attention import CTX_KWARG, AttentionContext, register
 from kvcore.model_runner import ModelRunner
 from kvcore.models import tiny_llama
-
-
-def _ref_allocate(num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-    shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
-
-
-def _ref_store(key, value, cache, slot_mapping, *, backend="auto"):
-    bs = cache.shape[2]
-    keep = slot_mapping >= 0
-    s = slot_mapping[keep]
-    cache[s // bs, 0, s % bs] = key[keep]
-    cache[s // bs, 1, s % bs] = value[keep]
-
-
-def _ref_plan(query_start_loc, seq_lens, block_table, block_size, *, device=None):
-    qsl, lens, bt = (torch.as_tensor(x) for x in (query_start_loc, seq_lens, block_table))
-    return SimpleNamespace(qsl=qsl, seq_lens=lens, bt=bt, bs=block_size)
-
-
-def _ref_attention(query, cache, meta, *, scale, sliding_window=None, soft_cap=None, **_):
-    out = torch.empty_like(query)
-    groups = query.shape[1] // cache.shape[3]
-    for r in range(len(meta.seq_lens)):
-        a, b = int(meta.qsl[r]), int(meta.qsl[r + 1])
-        n = int(meta.seq_lens[r])
-        blocks = meta.bt[r, : (n + meta.bs - 1) // meta.bs].long()
-        k = cache[blocks, 0].reshape(-1, *cache.shape[3:])[:n].repeat_interleave(groups, 1)
-        v = cache[blocks, 1].reshape(-1, *cache.shape[3:])[:n].repeat_interleave(groups, 1)
-        q = query[a:b]
-        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-        qpos = torch.arange(n - (b - a), n)[:, None]
-        scores = scores.masked_fill(torch.arange(n)[None, :] > qpos, float("-inf"))
-        out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(out.dtype)
-    return out
-
-
-@pytest.fixture(autouse=True)
-def kernels(monkeypatch):
-    """Use the real kernels when present, else the local reference."""
-    if not hasattr(kvcore_kernels, "paged_attention"):
-        monkeypatch.setattr(kvcore_kernels, "allocate_kv_cache", _ref_allocate, raising=False)
-        monkeypatch.setattr(kvcore_kernels, "store_kv", _ref_store, raising=False)
-        monkeypatch.setattr(kvcore_kernels, "plan_attention", _ref_plan, raising=False)
-        monkeypatch.setattr(kvcore_kernels, "paged_attention", _ref_attention, raising=False)
-
-
-SMALL = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=97,
-)
+from test_engine import SMALL
 
 
 def _model():

@@ -8,15 +8,7 @@ from kvcore import InvalidArgumentError
 from kvcore import models as kvmodels
 from kvcore.model_runner import kv_bytes_per_block, kv_geometry
 from kvcore.models import check_supported, load_model, tiny_llama
-
-SMALL = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=101,
-)
+from test_engine import SMALL
 
 
 def test_tiny_llama_is_seeded_and_leaves_global_rng_alone():
