@@ -88,18 +88,8 @@ pub(crate) fn ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
             .map_err(|e| invalid(format!("{name}: {e}")))?;
         return Ok(r.as_array().iter().copied().collect());
     }
-    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
-        let r = a
-            .try_readonly()
-            .map_err(|e| invalid(format!("{name}: {e}")))?;
-        return r
-            .as_array()
-            .iter()
-            .map(|&x| {
-                u64::try_from(x)
-                    .map_err(|_| invalid(format!("{name}: ids must be non-negative, got {x}")))
-            })
-            .collect();
+    if let Some(v) = non_negative_i64s(obj, name, "ids")? {
+        return Ok(v);
     }
     Err(invalid(format!(
         "{name} must be a 1-D int64 or uint64 array, got {}",
@@ -123,23 +113,36 @@ pub(crate) fn i64s(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
 
 /// Parses a 1-D `int64` array of non-negative counts or offsets.
 pub(crate) fn counts(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usize>> {
-    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
-        let r = a
-            .try_readonly()
-            .map_err(|e| invalid(format!("{name}: {e}")))?;
-        return r
-            .as_array()
-            .iter()
-            .map(|&x| {
-                usize::try_from(x)
-                    .map_err(|_| invalid(format!("{name}: values must be non-negative, got {x}")))
-            })
-            .collect();
+    if let Some(v) = non_negative_i64s(obj, name, "values")? {
+        return Ok(v);
     }
     Err(invalid(format!(
         "{name} must be a 1-D int64 array, got {}",
         describe(obj)
     )))
+}
+
+/// A 1-D `int64` array converted to `T` (`None`: not such an array); a negative entry is an
+/// error naming `what` it holds.
+fn non_negative_i64s<T: TryFrom<i64>>(
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+    what: &str,
+) -> PyResult<Option<Vec<T>>> {
+    let Ok(a) = obj.cast::<PyArray1<i64>>() else {
+        return Ok(None);
+    };
+    let r = a
+        .try_readonly()
+        .map_err(|e| invalid(format!("{name}: {e}")))?;
+    r.as_array()
+        .iter()
+        .map(|&x| {
+            T::try_from(x)
+                .map_err(|_| invalid(format!("{name}: {what} must be non-negative, got {x}")))
+        })
+        .collect::<PyResult<Vec<T>>>()
+        .map(Some)
 }
 
 /// Checks `offsets` (`n + 1` non-decreasing values from 0 to `total`) and returns the spans.
