@@ -33,7 +33,7 @@ from kvcore.model_runner import (
 from kvcore.models import load_model
 from kvcore.outputs import RequestOutput, SamplingParams
 from kvcore.report import EngineStats
-from kvcore.requests import Request, build_scheduler, submit
+from kvcore.requests import Request, build_scheduler, salt_namespace, submit
 from kvcore.sampler import Sampler
 
 PromptType = str | Sequence[int]
@@ -131,8 +131,13 @@ class LLMEngine:
         request_ids: Sequence[str] | None = None,
         priority: Sequence[int] | None = None,
         stream: bool = False,
+        cache_salt: str | Sequence[str | None] | None = None,
     ) -> list[str]:
-        """Validate and queue a batch of requests (all or none); returns their request ids."""
+        """Validate and queue a batch of requests (all or none); returns their request ids.
+
+        ``cache_salt`` (one for all, or one per prompt) is the request's prefix-cache
+        namespace: requests with different salts never share a prefix hit (tenant isolation).
+        """
         n = len(prompts)
         plist = _broadcast(params or SamplingParams(), n, "params")
         ids = [str(r) for r in request_ids] if request_ids is not None else None
@@ -142,6 +147,8 @@ class LLMEngine:
             raise InvalidArgumentError("request_ids must be unique, one per prompt")
         if any(i in self._ids for i in ids):
             raise DuplicateRequestError(f"request id already running: {ids}")
+        salts = _broadcast(cache_salt, n, "cache_salt")
+        namespaces = [salt_namespace(x) for x in salts]
         prios = list(priority) if priority is not None else [0] * n
         if len(prios) != n:
             raise InvalidArgumentError(f"priority: {len(prios)} given for {n} prompts")
@@ -162,6 +169,7 @@ class LLMEngine:
             [b[3] for b in built],
             [b[4] for b in built],
             self.eos_token_ids,
+            namespaces,
         )
         for i, (rid, text, tokens, p, _) in zip(internal, built, strict=True):
             req = Request.create(
@@ -180,11 +188,17 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         stream: bool = False,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue one request; returns its request id."""
         ids = [request_id] if request_id is not None else None
         return self.add_requests(
-            [prompt], params, request_ids=ids, priority=[priority], stream=stream
+            [prompt],
+            params,
+            request_ids=ids,
+            priority=[priority],
+            stream=stream,
+            cache_salt=[cache_salt],
         )[0]
 
     def _check_prompt(self, tokens: list[int], p: SamplingParams) -> None:
@@ -244,10 +258,15 @@ class LLMEngine:
             return []
         reqs = self._requests
         if self._unscheduled:  # stamp requests scheduled for the first time
-            new = np.intersect1d(plan.req_ids, np.fromiter(self._unscheduled, np.int64))
-            for rid in new.tolist():
-                reqs[rid].metrics.first_scheduled_time = start
-                self._unscheduled.discard(rid)
+            first = np.isin(plan.req_ids, np.fromiter(self._unscheduled, np.int64))
+            starts = np.asarray(plan.query_start_loc)[:-1][first]
+            # A new request's first computed position is its prefix-cache hit length.
+            hits = np.asarray(plan.positions)[starts].tolist()
+            for rid, hit in zip(plan.req_ids[first].tolist(), hits, strict=True):
+                if rid in self._unscheduled:  # its n > 1 rows come once as one row
+                    reqs[rid].metrics.first_scheduled_time = start
+                    reqs[rid].num_cached_tokens = int(hit)
+                    self._unscheduled.discard(rid)
         logits = self.runner.execute(plan, plan.logits_indices)
         sample_rids = plan.sample_req_ids.tolist()
         sample_idx = plan.sample_seq_index.tolist()

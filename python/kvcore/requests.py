@@ -7,6 +7,7 @@ logprobs and timings.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ import numpy as np
 from kvcore import _kvcore
 from kvcore.config import CacheConfig, SchedulerConfig
 from kvcore.detokenizer import IncrementalDetokenizer
+from kvcore.errors import InvalidArgumentError
 from kvcore.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from kvcore.sampler import Sampler, SamplerOutput
 
@@ -49,6 +51,7 @@ def submit(
     params: list[SamplingParams],
     priorities: list[int],
     eos_ids: list[int],
+    namespaces: list[int] | None = None,
 ) -> None:
     """Add a batch of requests to the scheduler in one call (finish rules included)."""
     stops = []
@@ -63,11 +66,23 @@ def submit(
         np.cumsum([0] + [len(pr) for pr in prompts], dtype=np.int64),
         np.asarray([p.max_tokens for p in params], np.int64),
         priorities=np.asarray(priorities, np.int64),
+        namespaces=np.asarray(namespaces or [0] * len(params), np.int64),
         n=np.asarray([p.n for p in params], np.int64),
         ignore_eos=[p.ignore_eos for p in params],
         stop_token_ids=np.fromiter((t for st in stops for t in st), np.int64),
         stop_offsets=np.cumsum([0] + [len(st) for st in stops], dtype=np.int64),
     )
+
+
+def salt_namespace(cache_salt: str | None) -> int:
+    """The prefix cache namespace of a ``cache_salt`` (0, the shared one, for None): a keyed
+    digest, so requests with different salts never share a prefix hit (vLLM's ``cache_salt``)."""
+    if cache_salt is None:
+        return 0
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidArgumentError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+    digest = hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"kvcore-salt").digest()
+    return (int.from_bytes(digest, "little") & ((1 << 63) - 1)) or 1  # non-zero, fits int64
 
 
 def _reason(reason: Any) -> str:
@@ -102,6 +117,7 @@ class Request:
     metrics: RequestMetrics
     tokenizer: Any
     stream: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
 
     @classmethod
     def create(
@@ -242,5 +258,11 @@ class Request:
                 )
             )
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outs, finished, self.metrics
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outs,
+            finished,
+            self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
         )
