@@ -1,13 +1,10 @@
 """The engine under failure and misuse: tenant isolation (cache_salt), num_cached_tokens,
 failures inside a step, abandoned streams and typed errors for bad input (issue 17)."""
 
-import numpy as np
 import pytest
 from kvcore.llm import LLM
 from kvcore.models import tiny_llama
-from kvcore.outputs import SamplingParams
 from kvcore.requests import salt_namespace
-
 from test_engine import SMALL, _check, _greedy, _prompts
 
 
