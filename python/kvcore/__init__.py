@@ -20,6 +20,7 @@ from kvcore.errors import (
     InvariantError,
     KvCoreError,
     StaleStepError,
+    StepFailedError,
     TooLongError,
     UnknownRequestError,
 )
@@ -72,4 +73,5 @@ __all__ = [
     "StaleStepError",
     "TooLongError",
     "InvariantError",
+    "StepFailedError",
 ]

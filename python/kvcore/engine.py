@@ -4,13 +4,22 @@ One ``step()``: ``schedule()`` (one call into Rust) → one forward → one vect
 ``update(step_id, tokens)`` (one call into Rust) → outputs. Python work per step is one short
 loop over the sampled rows (append the token, stamp its time); detokenization runs per token only
 for requests that stream or have stop strings, everyone else is decoded once when done.
+
+Threads: every public method may be called from any thread. ``add_request(s)`` and
+``abort_request`` take a short lock (never held during a forward), so submitters do not wait for
+a busy stepper; ``step()`` calls run one at a time. A step that fails aborts the requests it
+scheduled (``RequestOutput.error`` says why), closes itself in the scheduler and raises: the
+engine keeps serving everyone else.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+import logging
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,10 +27,21 @@ import torch
 from kvcore_kernels import KernelConfigError
 
 from kvcore.config import CacheConfig, SchedulerConfig
+from kvcore.engine_inputs import (
+    PromptType,
+    broadcast,
+    check_engine_args,
+    check_prompt,
+    engine_device,
+    eos_ids,
+    priorities,
+    prompt_ids,
+)
 from kvcore.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
-    TooLongError,
+    KvCoreError,
+    StepFailedError,
     UnknownRequestError,
 )
 from kvcore.model_runner import (
@@ -36,7 +56,7 @@ from kvcore.report import EngineStats
 from kvcore.requests import Request, build_scheduler, salt_namespace, submit
 from kvcore.sampler import Sampler
 
-PromptType = str | Sequence[int]
+log = logging.getLogger("kvcore")
 
 
 class LLMEngine:
@@ -57,15 +77,22 @@ class LLMEngine:
     ):
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        for name, value, cls in (
+            ("cache_config", self.cache_config, CacheConfig),
+            ("scheduler_config", self.scheduler_config, SchedulerConfig),
+        ):
+            if not isinstance(value, cls):
+                raise InvalidArgumentError(f"{name} must be a {cls.__name__}, got {value!r}")
+        dev = engine_device(device)
+        check_engine_args(seed, kernel_backend, dev)
+        if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len > 1):
+            raise InvalidArgumentError(f"max_model_len must be an int > 1, got {max_model_len!r}")
         self.model, self.tokenizer = load_model(
             model, tokenizer, dtype=dtype, device=dev, seed=seed
         )
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
         limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
-        if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len > 1):
-            raise InvalidArgumentError(f"max_model_len must be an int > 1, got {max_model_len!r}")
         self.max_model_len = min(max_model_len or limit, limit)
         cc, sc = self.cache_config, self.scheduler_config
         kv_dtype = cc.kv_dtype(self.model.dtype)
@@ -80,7 +107,7 @@ class LLMEngine:
         except KernelConfigError as e:
             raise InvalidArgumentError(f"kv_format: {e}") from None
         num_blocks = cc.resolve_num_blocks(bytes_per_block, dev, reserved)
-        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        self.eos_token_ids = eos_ids(self.model, self.tokenizer)
         self.scheduler = build_scheduler(
             num_blocks,
             self.cache_config,
@@ -108,20 +135,13 @@ class LLMEngine:
         self._ids: dict[str, int] = {}  # user request id -> internal id
         self._next_id = itertools.count()
         self._unscheduled: set[int] = set()  # internal ids not yet in any step
+        # _lock guards the state above, the scheduler and the sampler; it is never held during
+        # a forward. _step_lock lets one step run at a time. Order: _step_lock, then _lock.
+        self._lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        self._deferred_aborts: collections.deque[str] = collections.deque()
 
     # ---- admission ----------------------------------------------------------------------
-
-    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidArgumentError("this model has no tokenizer: give prompts as token ids")
-            if not prompt:
-                raise InvalidArgumentError("empty prompt")
-            return prompt, list(self.tokenizer.encode(prompt))
-        ids = np.asarray(prompt)
-        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-            raise InvalidArgumentError("a prompt is a string or a flat sequence of token ids")
-        return None, ids.tolist()
 
     def add_requests(
         self,
@@ -129,55 +149,65 @@ class LLMEngine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         request_ids: Sequence[str] | None = None,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
         stream: bool = False,
         cache_salt: str | Sequence[str | None] | None = None,
+        _sink: Callable[[RequestOutput], None] | None = None,
     ) -> list[str]:
         """Validate and queue a batch of requests (all or none); returns their request ids.
 
         ``cache_salt`` (one for all, or one per prompt) is the request's prefix-cache
         namespace: requests with different salts never share a prefix hit (tenant isolation).
         """
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise InvalidArgumentError("prompts must be a list (use add_request for one)")
         n = len(prompts)
-        plist = _broadcast(params or SamplingParams(), n, "params")
-        ids = [str(r) for r in request_ids] if request_ids is not None else None
-        if ids is None:
-            ids = [f"req-{next(self._next_id)}" for _ in range(n)]
-        if len(ids) != n or len(set(ids)) != n:
+        plist = broadcast(params or SamplingParams(), n, "params")
+        ids = None if request_ids is None else broadcast(request_ids, n, "request_ids")
+        if ids is not None and not all(isinstance(r, str) and r for r in ids):
+            raise InvalidArgumentError("request ids must be non-empty strings")
+        if ids is not None and len(set(ids)) != n:
             raise InvalidArgumentError("request_ids must be unique, one per prompt")
-        if any(i in self._ids for i in ids):
-            raise DuplicateRequestError(f"request id already running: {ids}")
-        salts = _broadcast(cache_salt, n, "cache_salt")
-        namespaces = [salt_namespace(x) for x in salts]
-        prios = list(priority) if priority is not None else [0] * n
-        if len(prios) != n:
-            raise InvalidArgumentError(f"priority: {len(prios)} given for {n} prompts")
+        prios = priorities(priority, n)
+        namespaces = [salt_namespace(x) for x in broadcast(cache_salt, n, "cache_salt")]
         built = []
-        for rid, prompt, p, prio in zip(ids, prompts, plist, prios, strict=True):
-            if not isinstance(p, SamplingParams):
-                raise InvalidArgumentError(f"expected SamplingParams, got {type(p)}")
-            text, tokens = self._prompt_ids(prompt)
-            self._check_prompt(tokens, p)
-            built.append((rid, text, tokens, p, prio))
-        now = time.perf_counter()
-        internal = [next(self._next_id) for _ in built]
-        # The scheduler checks each request fits in the cache; it raises before any change.
-        submit(
-            self.scheduler,
-            internal,
-            [b[2] for b in built],
-            [b[3] for b in built],
-            [b[4] for b in built],
-            self.eos_token_ids,
-            namespaces,
-        )
-        for i, (rid, text, tokens, p, _) in zip(internal, built, strict=True):
-            req = Request.create(
-                rid, i, text, tokens, p, now, self.sampler, self.tokenizer, stream=stream
+        for prompt, p in zip(prompts, plist, strict=True):
+            text, tokens = prompt_ids(self.tokenizer, prompt)
+            check_prompt(
+                tokens,
+                p,
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                max_num_seqs=self.scheduler_config.max_num_seqs,
+                has_tokenizer=self.tokenizer is not None,
             )
-            self._requests[i] = req
-            self._ids[rid] = i
-            self._unscheduled.add(i)
+            built.append((text, tokens, p))
+        with self._lock:
+            if ids is None:
+                ids = [f"req-{next(self._next_id)}" for _ in range(n)]
+            taken = [i for i in ids if i in self._ids]
+            if taken:
+                raise DuplicateRequestError(f"request id already running: {taken}")
+            now = time.perf_counter()
+            internal = [next(self._next_id) for _ in built]
+            # The scheduler checks each request fits in the cache; it raises before any change.
+            submit(
+                self.scheduler,
+                internal,
+                [b[1] for b in built],
+                [b[2] for b in built],
+                prios,
+                self.eos_token_ids,
+                namespaces,
+            )
+            for i, rid, (text, tokens, p) in zip(internal, ids, built, strict=True):
+                req = Request.create(
+                    rid, i, text, tokens, p, now, self.sampler, self.tokenizer, stream=stream
+                )
+                req.sink = _sink
+                self._requests[i] = req
+                self._ids[rid] = i
+                self._unscheduled.add(i)
         return ids
 
     def add_request(
@@ -189,98 +219,155 @@ class LLMEngine:
         priority: int = 0,
         stream: bool = False,
         cache_salt: str | None = None,
+        _sink: Callable[[RequestOutput], None] | None = None,
     ) -> str:
         """Queue one request; returns its request id."""
-        ids = [request_id] if request_id is not None else None
+        if not isinstance(params, SamplingParams | None):
+            raise InvalidArgumentError(f"expected SamplingParams, got {type(params).__name__}")
         return self.add_requests(
             [prompt],
             params,
-            request_ids=ids,
+            request_ids=None if request_id is None else [request_id],
             priority=[priority],
             stream=stream,
             cache_salt=[cache_salt],
+            _sink=_sink,
         )[0]
 
-    def _check_prompt(self, tokens: list[int], p: SamplingParams) -> None:
-        if not tokens:
-            raise InvalidArgumentError("empty prompt")
-        lo, hi = min(tokens), max(tokens)
-        if lo < 0 or hi >= self.vocab_size:
-            raise InvalidArgumentError(
-                f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        if len(tokens) >= self.max_model_len:
-            raise TooLongError(
-                f"prompt of {len(tokens)} tokens leaves no room for output "
-                f"(max_model_len {self.max_model_len})"
-            )
-        if p.n > self.scheduler_config.max_num_seqs:
-            raise InvalidArgumentError(f"n = {p.n} exceeds max_num_seqs")
-
     def abort_request(self, request_id: str | Sequence[str]) -> list[RequestOutput]:
-        """Abort requests (their blocks go back now); returns their final outputs."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        unknown = [r for r in ids if r not in self._ids]
-        if unknown:
-            raise UnknownRequestError(f"unknown request id(s): {unknown}")
-        internal = list(dict.fromkeys(self._ids[r] for r in ids))
+        """Abort requests (their blocks go back now); returns their final outputs.
+
+        ``UnknownRequestError`` if any id is not queued or running (then none is aborted)."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        if not isinstance(ids, Sequence) or not all(isinstance(r, str) for r in ids):
+            raise InvalidArgumentError(
+                f"request_id must be a request id string or a list of them, got {request_id!r}"
+            )
+        with self._lock:
+            unknown = [r for r in ids if r not in self._ids]
+            if unknown:
+                raise UnknownRequestError(f"unknown request id(s): {unknown}")
+            return self._abort_locked(list(dict.fromkeys(self._ids[r] for r in ids)))
+
+    def _abort_locked(self, internal: list[int], error: str | None = None) -> list[RequestOutput]:
         self.scheduler.abort_requests(np.asarray(internal, np.int64))
         now = time.perf_counter()
-        outs = []
         for i in internal:
-            req = self._requests[i]
-            req.finish_all("abort", now)
-            outs.append(self._retire(i, now))
-        return outs
+            self._requests[i].finish_all("abort", now)
+            self._requests[i].error = error
+        return [self._retire(i, now) for i in internal]
+
+    def _abort_later(self, request_id: str) -> None:
+        """Abort ``request_id`` if it is still running: now when the engine is free, else at
+        the start of the next step (safe from a finalizer, whatever thread or lock it runs in)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if request_id in self._ids:
+                    self._abort_locked([self._ids[request_id]])
+            finally:
+                self._lock.release()
+        else:
+            self._deferred_aborts.append(request_id)
+
+    def _drain_deferred_aborts(self) -> None:
+        while self._deferred_aborts:
+            rid = self._deferred_aborts.popleft()
+            if rid in self._ids:
+                self._abort_locked([self._ids[rid]])
 
     # ---- the step loop ------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
         """True while some request is queued or running."""
-        return bool(self._requests)
+        with self._lock:
+            return bool(self._requests) or bool(self._deferred_aborts)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests queued or running."""
-        return len(self._requests)
+        with self._lock:
+            return len(self._requests)
 
     def all_blocks_free(self) -> bool:
         """True when every block is back in the pool (free or cached, none referenced)."""
-        return int(self.scheduler.stats().num_free_blocks) == self.runner.num_blocks - 1
+        with self._lock:
+            return int(self.scheduler.stats().num_free_blocks) == self.runner.num_blocks - 1
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns outputs of finished requests and of streaming ones that grew."""
+        """Run one step; returns outputs of finished requests and of streaming ones that grew.
+
+        Steps run one at a time (a second thread calling ``step`` waits for the first). If the
+        step fails (an exception in the forward or sampling, Ctrl-C), the requests it had
+        scheduled are aborted with ``RequestOutput.error`` set, every block comes back, and the
+        error is raised (``StepFailedError``; ``KeyboardInterrupt`` as it is): the engine goes
+        on serving the other requests."""
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         forward_before = self.runner.forward_seconds
-        plan = self.scheduler.schedule()
-        self.stats.observe_plan(plan, self.scheduler)
-        if len(plan.input_ids) == 0:
-            self.scheduler.update(plan.step_id, np.zeros(0, np.int64))
-            return []
+        with self._lock:
+            self._drain_deferred_aborts()
+            plan = self.scheduler.schedule()
+            self.stats.observe_plan(plan, self.scheduler)
+            if len(plan.input_ids) == 0:
+                self.scheduler.update(plan.step_id, np.zeros(0, np.int64))
+                return []
+            if self._unscheduled:
+                self._stamp_new(plan, start)
+        try:
+            # Outside the lock: other threads may add or abort requests during the forward
+            # (no block is allocated before the next schedule(); aborted rows are skipped).
+            logits = self.runner.execute(plan, plan.logits_indices)
+            with self._lock:
+                outputs, num_rows = self._finish_step(plan, logits)
+        except BaseException as exc:
+            self._fail_step(plan, exc)
+            raise
+        self.stats.observe_step(
+            time.perf_counter() - start, self.runner.forward_seconds - forward_before, num_rows
+        )
+        return outputs
+
+    def _stamp_new(self, plan: Any, start: float) -> None:
+        """Requests scheduled for the first time: queue time and prefix-cache hit length."""
         reqs = self._requests
-        if self._unscheduled:  # stamp requests scheduled for the first time
-            first = np.isin(plan.req_ids, np.fromiter(self._unscheduled, np.int64))
-            starts = np.asarray(plan.query_start_loc)[:-1][first]
-            # A new request's first computed position is its prefix-cache hit length.
-            hits = np.asarray(plan.positions)[starts].tolist()
-            for rid, hit in zip(plan.req_ids[first].tolist(), hits, strict=True):
-                if rid in self._unscheduled:  # its n > 1 rows come once as one row
-                    reqs[rid].metrics.first_scheduled_time = start
-                    reqs[rid].num_cached_tokens = int(hit)
-                    self._unscheduled.discard(rid)
-        logits = self.runner.execute(plan, plan.logits_indices)
+        first = np.isin(plan.req_ids, np.fromiter(self._unscheduled, np.int64))
+        starts = np.asarray(plan.query_start_loc)[:-1][first]
+        # A new request's first computed position is its prefix-cache hit length.
+        hits = np.asarray(plan.positions)[starts].tolist()
+        for rid, hit in zip(plan.req_ids[first].tolist(), hits, strict=True):
+            if rid in self._unscheduled:
+                reqs[rid].metrics.first_scheduled_time = start
+                reqs[rid].num_cached_tokens = int(hit)
+                self._unscheduled.discard(rid)
+
+    def _finish_step(self, plan: Any, logits: torch.Tensor) -> tuple[list[RequestOutput], int]:
+        reqs = self._requests
         sample_rids = plan.sample_req_ids.tolist()
         sample_idx = plan.sample_seq_index.tolist()
+        # Rows of requests aborted during the forward are not sampled (their sampler slots
+        # may already serve someone else); the scheduler ignores their tokens.
+        live = [k for k, r in enumerate(sample_rids) if r in reqs]
+        if len(live) < len(sample_rids):
+            logits = logits[torch.as_tensor(live, dtype=torch.long, device=logits.device)]
+            sample_rids = [sample_rids[k] for k in live]
+            sample_idx = [sample_idx[k] for k in live]
         rows = [reqs[r].samples[i] for r, i in zip(sample_rids, sample_idx, strict=True)]
         slots = np.fromiter((s.slot for s in rows), np.int64, len(rows))
         counts = np.fromiter((len(s.token_ids) for s in rows), np.int64, len(rows))
         out = self.sampler.sample(logits, slots, counts)
-        fin = self.scheduler.update(plan.step_id, out.token_ids)
+        tokens = out.token_ids
+        if len(live) < len(plan.sample_req_ids):
+            tokens = np.zeros(len(plan.sample_req_ids), np.int64)
+            tokens[live] = out.token_ids
+        fin = self.scheduler.update(plan.step_id, tokens)
         now = time.perf_counter()
         touched = Request.record(reqs, sample_rids, rows, out, now)
         done = set()  # requests the scheduler no longer holds
         if fin.num_finished:
-            for rid, index, reason, tokens in fin.outputs():
-                reqs[rid].finish_sample(index, reason, tokens, now)
+            for rid, index, reason, toks in fin.outputs():
+                reqs[rid].finish_sample(index, reason, toks, now)
             done.update(fin.req_ids[fin.request_done].tolist())
             touched.extend(fin.req_ids.tolist())
         # Requests whose every sample has ended, some on a stop string the scheduler cannot
@@ -294,10 +381,31 @@ class LLMEngine:
             req = reqs.get(i)
             if req is not None and req.stream:
                 outputs.append(req.output(finished=False))
-        self.stats.observe_step(
-            time.perf_counter() - start, self.runner.forward_seconds - forward_before, len(rows)
-        )
-        return outputs
+                if req.sink is not None:
+                    req.sink(outputs[-1])
+        return outputs, len(rows)
+
+    def _fail_step(self, plan: Any, exc: BaseException) -> None:
+        """Abort the failed step's requests and close the step, so the engine keeps serving."""
+        reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else repr(exc)
+        message = f"step {plan.step_id} failed: {reason}"
+        with self._lock:
+            victims = [i for i in dict.fromkeys(plan.req_ids.tolist()) if i in self._requests]
+            if self.scheduler.outstanding_step == plan.step_id:
+                self._abort_locked(victims, message)
+                self.scheduler.update(plan.step_id, np.zeros(len(plan.sample_req_ids), np.int64))
+            else:  # it failed after update(): some victims may be finished in the scheduler
+                for i in victims:
+                    try:
+                        self._abort_locked([i], message)
+                    except UnknownRequestError:
+                        now = time.perf_counter()
+                        self._requests[i].finish_all("abort", now)
+                        self._requests[i].error = message
+                        self._retire(i, now)
+        log.warning("kvcore: %s; its %d request(s) were aborted", message, len(victims))
+        if not isinstance(exc, KvCoreError) and isinstance(exc, Exception):
+            raise StepFailedError(message) from exc
 
     def _retire(self, internal_id: int, now: float) -> RequestOutput:
         req = self._requests.pop(internal_id)
@@ -306,7 +414,10 @@ class LLMEngine:
         req.release(self.sampler)
         req.metrics.finished_time = now
         self.stats.num_finished += 1
-        return req.output(finished=True)
+        out = req.output(finished=True)
+        if req.sink is not None:
+            req.sink(out)  # under the lock: the output is there before anyone sees it gone
+        return out
 
     def run(self) -> Iterator[RequestOutput]:
         """Step until every request is done, yielding outputs as they come (streaming form)."""
@@ -314,30 +425,28 @@ class LLMEngine:
             yield from self.step()
 
     def stream(
-        self, prompt: PromptType, params: SamplingParams | None = None
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        **kwargs: Any,
     ) -> Iterator[RequestOutput]:
         """Add one streaming request and yield its outputs until it finishes (other requests
-        keep being served by the same steps)."""
-        rid = self.add_request(prompt, params, stream=True)
-        while rid in self._ids:  # until finished here or aborted by someone else
-            for out in self.step():
-                if out.request_id == rid:
+        keep being served by the same steps). Closing the iterator early (``close()``,
+        ``break`` then garbage collection) aborts the request and frees its blocks.
+        ``kwargs``: ``request_id``, ``priority``, ``cache_salt`` as in ``add_request``."""
+        queue: collections.deque[RequestOutput] = collections.deque()
+        rid = self.add_request(prompt, params, stream=True, _sink=queue.append, **kwargs)
+        finished = False
+        try:
+            while not finished:
+                if queue:
+                    out = queue.popleft()
+                    finished = out.finished
                     yield out
-
-
-def _broadcast(value: Any, n: int, name: str) -> list[Any]:
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        if len(value) != n:
-            raise InvalidArgumentError(f"{name}: {len(value)} given for {n} prompts")
-        return list(value)
-    return [value] * n
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    """EOS ids of the model, as transformers' generate sees them: the generation config's,
-    else the model config's, else the tokenizer's."""
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if eos is not None and eos != []:
-            return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
-    return []
+                elif rid in self._ids:
+                    self.step()
+                else:
+                    return  # ended without a final output (cannot happen; never spin)
+        finally:
+            if not finished:
+                self._abort_later(rid)

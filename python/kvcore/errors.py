@@ -16,6 +16,12 @@ from kvcore._kvcore import (
     UnknownRequestError,
 )
 
+
+class StepFailedError(KvCoreError):
+    """An engine step failed (an exception in the forward or sampling): the requests it had
+    scheduled were aborted with ``RequestOutput.error`` set; the engine keeps serving."""
+
+
 __all__ = [
     "KvCoreError",
     "InvalidArgumentError",
@@ -26,4 +32,5 @@ __all__ = [
     "StaleStepError",
     "TooLongError",
     "InvariantError",
+    "StepFailedError",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -10,7 +12,7 @@ import torch
 
 from kvcore.config import CacheConfig, SchedulerConfig
 from kvcore.engine import LLMEngine
-from kvcore.errors import InvalidArgumentError
+from kvcore.errors import InvalidArgumentError, InvariantError, KvCoreError, StepFailedError
 from kvcore.outputs import RequestOutput, SamplingParams
 
 
@@ -109,12 +111,47 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt; outputs in prompt order."""
+        """Complete every prompt; outputs in prompt order.
+
+        Safe to call from several threads at once on one ``LLM``: their requests share the
+        engine's steps and each call returns its own outputs. If the call is interrupted
+        (Ctrl-C) or a step fails, its unfinished requests are aborted before the error
+        propagates, so the engine is ready for the next call."""
         plist = _normalize_prompts(prompts)
         if not plist:
             return []
-        ids = self.engine.add_requests(plist, sampling_params, priority=priority)
-        return self._run(ids, use_tqdm)
+        # Final outputs arrive from whichever thread runs the step that ends them.
+        arrivals: collections.deque[RequestOutput] = collections.deque()
+        results: dict[str, RequestOutput] = {}
+
+        def sink(out: RequestOutput) -> None:
+            if out.finished:
+                arrivals.append(out)
+
+        ids = self.engine.add_requests(plist, sampling_params, priority=priority, _sink=sink)
+        try:
+            self._run(ids, arrivals, results, use_tqdm)
+        except BaseException:
+            while arrivals:
+                out = arrivals.popleft()
+                results[out.request_id] = out
+            alive = [r for r in ids if r not in results]
+            if alive:
+                try:
+                    self.engine.abort_request(alive)
+                except KvCoreError:  # some finished meanwhile: abort the rest one by one
+                    for r in alive:
+                        if r not in results:
+                            with contextlib.suppress(KvCoreError):
+                                self.engine.abort_request(r)
+            raise
+        failed = [results[r] for r in ids if results[r].error is not None]
+        if failed:
+            raise StepFailedError(
+                f"{len(failed)} of {len(ids)} requests were aborted by a failed step: "
+                f"{failed[0].error}"
+            )
+        return [results[r] for r in ids]
 
     def chat(
         self,
@@ -147,10 +184,14 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        ids: list[str],
+        arrivals: collections.deque[RequestOutput],
+        results: dict[str, RequestOutput],
+        use_tqdm: bool,
+    ) -> None:
         engine = self.engine
-        order = {rid: i for i, rid in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -158,19 +199,23 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
         start, num_out = time.perf_counter(), 0
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        num_out += sum(len(c.token_ids) for c in out.outputs)
-                        if bar is not None:
-                            rate = num_out / max(time.perf_counter() - start, 1e-9)
-                            bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
-                            bar.update(1)
+            while len(results) < len(ids):
+                if not arrivals and not engine.has_unfinished_requests():
+                    # A sink runs before its request leaves the engine: this cannot happen.
+                    missing = [r for r in ids if r not in results]
+                    raise InvariantError(f"requests left the engine without output: {missing}")
+                if not arrivals:
+                    engine.step()  # waits while another thread's step runs
+                new = 0
+                while arrivals:
+                    out = arrivals.popleft()
+                    results[out.request_id] = out
+                    num_out += sum(len(c.token_ids) for c in out.outputs)
+                    new += 1
+                if bar is not None and new:
+                    rate = num_out / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+                    bar.update(new)
         finally:
             if bar is not None:
                 bar.close()
-        missing = [ids[i] for i, r in enumerate(results) if r is None]
-        if missing:
-            raise InvalidArgumentError(f"requests finished elsewhere: {missing}")
-        return [r for r in results if r is not None]

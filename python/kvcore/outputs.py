@@ -72,9 +72,17 @@ class SamplingParams:
         _check(self.seed is None or _is_int(self.seed), f"seed must be an int, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(
+            self.stop is None or isinstance(self.stop, list | tuple),
+            f"stop must be a string or a list of strings, got {self.stop!r}",
+        )
         self.stop = list(self.stop or [])
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty str"
+        )
+        _check(
+            self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple),
+            f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}",
         )
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(
@@ -86,6 +94,9 @@ class SamplingParams:
             or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
+        flags = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize")
+        for name in flags:
+            _check(isinstance(getattr(self, name), bool), f"{name} must be a bool")
         _check(not (self.stop and not self.detokenize), "stop strings need detokenize=True")
 
     @property
@@ -171,3 +182,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Why the request ended early when not by its own rules: a failed step aborted it
+    error: str | None = None

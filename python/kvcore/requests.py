@@ -8,6 +8,7 @@ logprobs and timings.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +119,9 @@ class Request:
     tokenizer: Any
     stream: bool = False
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    # Called with each output the engine produces for this request (LLM.generate, stream())
+    sink: Callable[[RequestOutput], None] | None = None
+    error: str | None = None  # set when a failed step aborted the request
 
     @classmethod
     def create(
@@ -265,4 +269,5 @@ class Request:
             finished,
             self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            error=self.error,
         )
