@@ -10,6 +10,11 @@
 //! `num_cached_blocks <= num_tokens / bs` leading full blocks have been offered to the prefix
 //! cache. Only the last block may be partial, and only it is ever written again (after a
 //! copy-on-write when it is shared or cached). Costs: O(1) per appended block.
+//!
+//! `tokens` is what the manager knows the request holds: its prompt (given to `admit`) and the
+//! tokens of every full block stated as computed since. They never change: a later call that
+//! states other tokens over that range is refused, so a caller cannot publish one request's
+//! KV under another's tokens.
 
 use crate::error::{KvError, KvResult};
 
@@ -24,6 +29,8 @@ pub struct BlockTable {
     pub num_cached_blocks: usize,
     /// Namespace of the request's prefix-cache keys.
     pub ns: u64,
+    /// Tokens the request is known to hold (prompt, then stated full blocks); never rewritten.
+    pub tokens: Vec<u32>,
 }
 
 /// Number of blocks of `block_size` tokens needed for `num_tokens` tokens.
@@ -70,6 +77,13 @@ impl BlockTable {
                 self.num_cached_blocks, self.num_tokens
             ));
         }
+        if self.tokens.len() < self.num_cached_blocks * block_size {
+            return bad(format!(
+                "{} cached blocks but {} known tokens",
+                self.num_cached_blocks,
+                self.tokens.len()
+            ));
+        }
         if let Some(&b) = self.blocks.iter().find(|&&b| b == 0 || b >= num_blocks) {
             return bad(format!("holds invalid block {b}"));
         }
@@ -88,6 +102,7 @@ mod tests {
             num_tokens: 20,
             num_cached_blocks: 1,
             ns: 0,
+            tokens: vec![0; 16],
         };
         assert_eq!(t.slot(0, 16), Some(112));
         assert_eq!(t.slot(15, 16), Some(127));

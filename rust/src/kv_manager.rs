@@ -11,7 +11,16 @@
 //! Copy-on-write: writing into a partial last block that another table holds, or that is cached
 //! (a token-granularity prefix hit ending inside a block) first takes a fresh block and records
 //! a `(src, dst)` copy op. The op keeps a reference on `src` until `drain_copy_ops`, so `src`
-//! cannot be reused as another op's destination before the copies are applied.
+//! cannot be reused as another op's destination before the copies are applied. Freeing a
+//! request cancels its pending ops whose `dst` nobody holds any more (a later drain would
+//! otherwise write into a block handed to someone else), and a pending `dst` is never cached
+//! (its KV is not there yet).
+//!
+//! Tokens: each table remembers the tokens its request is known to hold (the prompt given to
+//! `admit`, then every full block stated as computed). `cache_computed` and `free` must state
+//! the same tokens over that range or are refused, so one request's KV is never published
+//! under another's tokens. Cost: one `memcmp` of the stated tokens per call, and 4 bytes per
+//! known token.
 //!
 //! Duplicates: when `cache_computed` finds a block's tokens already cached under another block,
 //! the request switches to the cached block and frees its own (if no one else holds it), so a
@@ -36,6 +45,20 @@ pub const MAX_BLOCKS: u32 = 1 << 26;
 
 /// Largest block size a manager accepts.
 pub const MAX_BLOCK_SIZE: u32 = 1 << 16;
+
+/// Largest request id and namespace (2^63 - 1), here and in the scheduler: ids cross to
+/// Python as `int64`, so every id kvcore accepts can also be looked up and reported.
+pub const MAX_ID: u64 = i64::MAX as u64;
+
+/// `Err(InvalidArgument)` unless `id` is at most [`MAX_ID`]; `what` names it.
+pub(crate) fn check_id(what: &str, id: u64) -> KvResult<()> {
+    if id > MAX_ID {
+        return Err(KvError::InvalidArgument(format!(
+            "{what} must be in 0..2**63, got {id}"
+        )));
+    }
+    Ok(())
+}
 
 /// Construction parameters of a [`KvManager`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,6 +193,8 @@ impl KvManager {
         num_new_tokens: usize,
         watermark_blocks: u32,
     ) -> KvResult<bool> {
+        check_id("request id", req)?;
+        check_id("namespace", ns)?;
         if self.tables.contains_key(&req) {
             return Err(KvError::DuplicateRequest(req));
         }
@@ -232,6 +257,7 @@ impl KvManager {
             return Ok(false);
         }
         let mut table = BlockTable::new(ns);
+        table.tokens = tokens.to_vec();
         table.blocks.reserve(blocks_for(total, bs));
         for &b in &hit.blocks {
             self.pool.incref(b);
@@ -292,10 +318,11 @@ impl KvManager {
         Ok(true)
     }
 
-    /// `tokens` are `req`'s first tokens, all computed: its full blocks among them become
-    /// cached. Err if `req` is unknown or `tokens` is longer than its table covers.
-    pub fn cache_computed(&mut self, req: u64, tokens: &[u32]) -> KvResult<()> {
-        let t = self.tables.get(&req).ok_or(KvError::UnknownRequest(req))?;
+    /// Checks that `tokens` may be stated as `req`'s first computed tokens: `req` is live, its
+    /// table covers them, and they agree with the tokens it is known to hold (its prompt and
+    /// the full blocks stated before). What `cache_computed` and `free` check; no effect.
+    pub fn check_tokens(&self, req: u64, tokens: &[u32]) -> KvResult<()> {
+        let t = self.table(req)?;
         if tokens.len() > t.num_tokens {
             return Err(KvError::InvalidArgument(format!(
                 "request {req}: {} computed tokens but its table covers {}",
@@ -303,27 +330,80 @@ impl KvManager {
                 t.num_tokens
             )));
         }
+        let k = tokens.len().min(t.tokens.len());
+        if tokens[..k] != t.tokens[..k] {
+            let p = (0..k)
+                .find(|&p| tokens[p] != t.tokens[p])
+                .expect("slices differ");
+            return Err(KvError::InvalidArgument(format!(
+                "request {req}: token {p} is {} but the request holds {} (its tokens cannot \
+                 change once admitted or computed)",
+                tokens[p], t.tokens[p]
+            )));
+        }
+        Ok(())
+    }
+
+    /// `tokens` are `req`'s first tokens, all computed: its full blocks among them become
+    /// cached. Err if `req` is unknown, `tokens` is longer than its table covers, or they
+    /// disagree with the tokens `req` is known to hold (see [`KvManager::check_tokens`]).
+    pub fn cache_computed(&mut self, req: u64, tokens: &[u32]) -> KvResult<()> {
+        self.check_tokens(req, tokens)?;
         self.insert_computed(req, tokens);
+        let full = tokens.len() / self.block_size as usize * self.block_size as usize;
+        let t = self.tables.get_mut(&req).expect("checked above");
+        if full > t.tokens.len() {
+            t.tokens.extend_from_slice(&tokens[t.tokens.len()..full]);
+        }
         Ok(())
     }
 
     /// Releases `req`: caches the full blocks of `tokens` (its computed tokens; may be empty),
-    /// then drops each block's reference, last block first. Err: unknown id or too many tokens.
+    /// then drops each block's reference, last block first, and cancels the pending copy ops
+    /// that would write into a block nobody holds any more. Err (nothing changed): unknown id,
+    /// too many tokens, or tokens that disagree with what `req` holds.
     pub fn free(&mut self, req: u64, tokens: &[u32]) -> KvResult<()> {
         self.cache_computed(req, tokens)?;
         let t = self.tables.remove(&req).expect("checked by cache_computed");
         for &b in t.blocks.iter().rev() {
             self.pool.decref(b);
         }
+        if !self.copy_ops.is_empty() {
+            self.cancel_orphan_copies();
+        }
         Ok(())
     }
 
-    /// `child` shares every block of `parent`. Err: unknown parent or live child.
+    /// Drops pending copy ops whose destination nobody holds (it went back to the pool), with
+    /// their hold on the source. Newest first: an op's source may be an older op's destination.
+    fn cancel_orphan_copies(&mut self) {
+        let mut i = self.copy_ops.len();
+        while i > 0 {
+            i -= 1;
+            let [src, dst] = self.copy_ops[i];
+            if self.pool.ref_count(dst) == 0 {
+                self.copy_ops.remove(i);
+                self.pool.decref(src);
+            }
+        }
+    }
+
+    /// `child` shares every block of `parent` and the tokens they hold. Err: unknown parent,
+    /// live child, or a child id above [`MAX_ID`].
     pub fn fork(&mut self, parent: u64, child: u64) -> KvResult<()> {
+        check_id("request id", child)?;
         if self.tables.contains_key(&child) {
             return Err(KvError::DuplicateRequest(child));
         }
-        let t = self.table(parent)?.clone();
+        let p = self.table(parent)?;
+        // Beyond the shared blocks (a prompt not yet allocated) the child may differ.
+        let t = BlockTable {
+            blocks: p.blocks.clone(),
+            num_tokens: p.num_tokens,
+            num_cached_blocks: p.num_cached_blocks,
+            ns: p.ns,
+            tokens: p.tokens[..p.tokens.len().min(p.num_tokens)].to_vec(),
+        };
         for &b in &t.blocks {
             self.pool.incref(b);
         }
@@ -374,6 +454,9 @@ impl KvManager {
         while t.num_cached_blocks < n_full {
             let i = t.num_cached_blocks;
             let b = t.blocks[i];
+            if !self.copy_ops.is_empty() && self.copy_ops.iter().any(|op| op[1] == b) {
+                break; // a pending copy's destination: its KV is not there yet
+            }
             if !self.pool.is_cached(b) {
                 let parent = if i == 0 { NULL_BLOCK } else { t.blocks[i - 1] };
                 match self.cache.insert_block(
@@ -409,3 +492,7 @@ mod tests;
 #[cfg(test)]
 #[path = "kv_manager_props.rs"]
 mod props;
+
+#[cfg(test)]
+#[path = "kv_manager_trust_tests.rs"]
+mod trust_tests;

@@ -118,6 +118,12 @@ impl KvManager {
                 )));
             }
             holders[op[0] as usize] += 1;
+            // A pending destination is someone's block, and its KV is not there yet.
+            if self.pool.ref_count(op[1]) == 0 || self.pool.is_cached(op[1]) {
+                return Err(KvError::Invariant(format!(
+                    "copy op {op:?} writes a free or cached block"
+                )));
+            }
         }
         for b in 0..n {
             if holders[b as usize] != self.pool.ref_count(b) {

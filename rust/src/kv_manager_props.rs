@@ -4,7 +4,9 @@
 //! applies drained copy ops, then writes each step's tokens through the block table. After
 //! every operation: `check_invariants()`, every live request reads back exactly its computed
 //! tokens (so copy-on-write never let a write hit a shared block), and every prefix hit's
-//! blocks hold exactly the matched tokens. Errors must leave the state unchanged.
+//! blocks hold exactly the matched tokens. Errors must leave the state unchanged. A deferred
+//! admission leaves its copy ops pending (freeing it must cancel them: `check_invariants`
+//! refuses an op that writes a free block); a request stating other tokens is refused.
 
 use std::collections::BTreeMap;
 
@@ -30,6 +32,7 @@ enum Op {
         suffix: Vec<u8>,
         ns: bool,
         chunk: u8,
+        defer: bool,
     },
     Step {
         pick: u8,
@@ -51,12 +54,12 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (any::<u8>(), any::<u8>(), prop::collection::vec(0u8..4, 0..12), any::<bool>(), 1u8..40)
-            .prop_map(|(base, cut, suffix, ns, chunk)| Op::Admit { base, cut, suffix, ns, chunk }),
+        3 => (any::<u8>(), any::<u8>(), prop::collection::vec(0u8..4, 0..12), any::<bool>(), 1u8..40, any::<bool>())
+            .prop_map(|(base, cut, suffix, ns, chunk, defer)| Op::Admit { base, cut, suffix, ns, chunk, defer }),
         4 => (any::<u8>(), 1u8..12, 0u8..3).prop_map(|(pick, n, tok)| Op::Step { pick, n, tok }),
         1 => any::<u8>().prop_map(|pick| Op::Fork { pick }),
         2 => (any::<u8>(), any::<bool>()).prop_map(|(pick, cache)| Op::Free { pick, cache }),
-        1 => (any::<u8>(), 0u8..6).prop_map(|(pick, kind)| Op::Bad { pick, kind }),
+        1 => (any::<u8>(), 0u8..8).prop_map(|(pick, kind)| Op::Bad { pick, kind }),
     ]
 }
 
@@ -138,6 +141,7 @@ impl Sim {
                 suffix,
                 ns,
                 chunk,
+                defer,
             } => {
                 let mut tokens = base_prompt(base);
                 tokens.truncate(cut as usize % 49);
@@ -162,15 +166,23 @@ impl Sim {
                 self.next_id += 1;
                 if self.m.admit(id, ns, &tokens, &hit, new, 1).unwrap() {
                     let end = hit.num_tokens + new;
+                    // Deferred: nothing drained or written; only the hit's full blocks count.
+                    let computed = if defer {
+                        hit.num_tokens / self.bs * self.bs
+                    } else {
+                        hit.num_tokens
+                    };
                     self.reqs.insert(
                         id,
                         Req {
                             ns,
                             tokens,
-                            computed: hit.num_tokens,
+                            computed,
                         },
                     );
-                    self.apply_copies_and_write(id, hit.num_tokens, end);
+                    if !defer {
+                        self.apply_copies_and_write(id, hit.num_tokens, end);
+                    }
                 }
             }
             Op::Step { pick, n, tok } => {
@@ -187,6 +199,9 @@ impl Sim {
             }
             Op::Fork { pick } => {
                 let Some(id) = self.pick(pick) else { return };
+                if self.m.num_tokens(id).unwrap() != self.reqs[&id].computed {
+                    return; // a deferred table: the sim writes only behind computed tokens
+                }
                 let child = self.next_id;
                 self.next_id += 1;
                 self.m.fork(id, child).unwrap();
@@ -226,6 +241,16 @@ impl Sim {
                     2 => self.m.allocate_slots(id.max(1 << 40), 1).map(|_| ()),
                     3 if live => self.m.cache_computed(id, &too_many),
                     4 if live => self.m.fork(id, id),
+                    6 | 7 if live && self.reqs[&id].computed > 0 => {
+                        // Token 0 is always known (the prompt): another one is refused.
+                        let mut lie = self.reqs[&id].tokens[..self.reqs[&id].computed].to_vec();
+                        lie[0] ^= 1 << 20;
+                        if kind == 6 {
+                            self.m.cache_computed(id, &lie)
+                        } else {
+                            self.m.free(id, &lie)
+                        }
+                    }
                     _ => self
                         .m
                         .allocate_slots(id, self.m.max_tokens() + 1)

@@ -77,6 +77,8 @@ impl NewRequest {
 
     /// Checks what does not depend on the scheduler's configuration.
     pub(crate) fn validate(&self) -> KvResult<()> {
+        crate::kv_manager::check_id("request id", self.id)?;
+        crate::kv_manager::check_id("namespace", self.namespace)?;
         if self.prompt.is_empty() {
             return Err(KvError::InvalidArgument(format!(
                 "request {}: empty prompt",

@@ -112,8 +112,8 @@ impl Scheduler {
                         break;
                     }
                     // Short of blocks: preempt the least important running sequence (the tail).
-                    // If it was scheduled in the decode pass its budget comes back; a copy op it
-                    // recorded then targets a freed block, harmless as ops apply in order.
+                    // If it was scheduled in the decode pass its budget comes back, and freeing
+                    // it cancels a copy op it recorded then (its destination went back).
                     let victim = self
                         .running
                         .pop()
