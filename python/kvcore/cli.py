@@ -266,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     # with other work, spinning threads make multi-threaded CPU runs many times slower.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except SystemExit as e:  # argparse: --help, --version, a bad argument (already printed)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else ca.EXIT_USAGE)
+
+
+def _main(argv: list[str]) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["run", *argv]  # no command: the main job
     if argv[0] in ("plan", "eval-kv"):

@@ -43,16 +43,17 @@ def plan_main(argv: list[str] | None = None) -> int:
         "--kivi-window", type=ca.int_in(0, 64), default=0, help="KIVI full blocks kept in fp"
     )
     args = p.parse_args(argv)
-    geom, rows = plan_capacity(
-        args.config,
-        args.memory,
-        formats=args.formats,
-        block_size=args.block_size,
-        context_len=args.context,
-        kivi_window=args.kivi_window,
-    )
-    print(format_table(geom, rows, args.memory))
-    return 0
+    with ca.report_errors("kvcore plan") as status:
+        geom, rows = plan_capacity(
+            args.config,
+            args.memory,
+            formats=args.formats,
+            block_size=args.block_size,
+            context_len=args.context,
+            kivi_window=args.kivi_window,
+        )
+        print(format_table(geom, rows, args.memory))
+    return status[0]
 
 
 def corpus_ids(tokenizer: Any) -> list[int]:
@@ -107,8 +108,9 @@ def eval_kv_main(argv: list[str] | None = None) -> int:
         "keeps the step's newest blocks in full precision), so its perplexity change would read "
         "0; raise --ppl-len or lower --chunk",
     )
-    _eval(args)
-    return 0
+    with ca.report_errors("kvcore eval-kv") as status:
+        _eval(args)
+    return status[0]
 
 
 def _eval(args: argparse.Namespace) -> None:
