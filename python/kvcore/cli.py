@@ -1,13 +1,17 @@
-"""The ``kvcore`` command.
+"""The ``kvcore`` command (``kvcore`` or ``python -m kvcore``).
 
 * ``kvcore run``: the main job. Serves the built-in chat workload (shared system prompt,
   multi-turn follow-ups submitted as answers come back, mixed prompt lengths) on the embedded
-  SmolLM2 model, with a progress bar, then prints a report (``name: value unit`` lines).
+  SmolLM2 model with a progress bar counting generated tokens, then prints a report: a table by
+  default, ``name: value unit`` lines with ``--format lines``, JSON with ``--json FILE``.
   ``--compare`` replays the same prompts and output lengths through transformers' ``generate``
-  in static batches and prints the throughput ratio.
-* ``kvcore generate "prompt"``: one completion, streamed to stdout.
+  in static batches and adds the throughput ratio. Ctrl-C prints the partial report (exit 130).
+* ``kvcore generate "prompt"``: one completion, streamed to stdout, sampled with the model's own
+  generation defaults (``kvcore.generation_defaults``); ``--temperature 0`` is greedy.
 * ``kvcore plan`` / ``kvcore eval-kv``: capacity planner and quality gate of the quantized KV
   formats (``kvcore/quant_cli.py``).
+
+Bad arguments are refused while parsing (one line on stderr, exit 2, see ``kvcore.cli_args``).
 """
 
 from __future__ import annotations
@@ -15,51 +19,81 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any
 
-from kvcore.errors import KvCoreError
+from kvcore import cli_args as ca
+
+DESCRIPTION = (
+    "kvcore: an LLM inference engine with a paged, prefix-shared and optionally quantized KV "
+    "cache (Rust core, Triton kernels), running Hugging Face models on the CPU or a CUDA GPU."
+)
+EPILOG = """\
+examples:
+  kvcore run                               the main job: chat workload on SmolLM2-135M, report
+  kvcore run --compare                     ... and the same prompts through transformers
+  kvcore run --format lines --json r.json  machine-readable report
+  kvcore generate "Write a haiku about caches"
+  kvcore generate "Why is the sky blue?" --temperature 0 --max-tokens 64
+  kvcore plan --config config.json --memory 8GiB
+  kvcore eval-kv --formats int8,kivi2
+
+With no command, kvcore runs `kvcore run`. Models: smollm2-135m (default; the first run converts
+it once into ~/.cache/kvcore), tiny-llama (random weights, no tokenizer) or a local checkpoint
+folder. Each command has its own --help."""
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny-llama | a path")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
-    p.add_argument("--kv-memory-mb", type=int, default=None, help="KV budget in MiB")
+    p.add_argument(
+        "--device", type=ca.device, default=None, help="cpu | cuda | cuda:N (default: cuda if any)"
+    )
+    p.add_argument("--threads", type=ca.positive_int, default=None, help="torch intra-op threads")
+    p.add_argument("--block-size", type=ca.positive_int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--num-blocks", type=ca.int_at_least(2), default=None, help="KV blocks (null included)"
+    )
+    p.add_argument(
+        "--kv-memory-mb",
+        type=ca.positive_int,
+        default=None,
+        help="KV budget in MiB (default: generate sizes it to the request; run takes "
+        "min(1 GiB, 25%% of the available RAM) on the CPU, 80%% of free GPU memory on CUDA)",
+    )
     p.add_argument(
         "--kv-format",
-        default="auto",
+        type=ca.name_list,
+        default=["auto"],
         help="KV storage: auto | float16 | bfloat16 | fp8_e4m3 | int8 | int4 | kivi2 | ... "
         "(a comma-separated list: one per layer)",
     )
     p.add_argument("--prefix-caching", default="radix", choices=["radix", "hash", "off"])
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=ca.positive_int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=ca.positive_int, default=2048)
     p.add_argument(
         "--no-chunked-prefill",
         dest="chunked_prefill",
         action="store_false",
         help="compute each prompt in one step (needs a budget of --max-model-len tokens)",
     )
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=ca.int_at_least(2), default=None)
+    p.add_argument("--seed", type=ca.non_negative_int, default=0)
 
 
-def _make_llm(args: argparse.Namespace) -> Any:
+def _make_llm(args: argparse.Namespace, model: Any = None, tokenizer: Any = None, **kw: Any):
     import torch
 
     from kvcore.llm import LLM
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    fmt = args.kv_format
     return LLM(
-        args.model,
+        args.model if model is None else model,
+        tokenizer=tokenizer,
         block_size=args.block_size,
-        num_blocks=args.num_blocks,
+        num_blocks=kw.get("num_blocks", args.num_blocks),
         kv_memory_bytes=args.kv_memory_mb << 20 if args.kv_memory_mb else None,
-        kv_format=args.kv_format.split(",") if "," in args.kv_format else args.kv_format,
+        kv_format=fmt[0] if len(fmt) == 1 else fmt,
         prefix_caching=args.prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -70,90 +104,56 @@ def _make_llm(args: argparse.Namespace) -> Any:
     )
 
 
-def _run_chat(llm: Any, args: argparse.Namespace) -> tuple[list[Any], list[list[int]], float]:
-    """Drive the chat workload: a follow-up turn is submitted when its previous answer is back."""
-    from tqdm.auto import tqdm
-
-    from kvcore.outputs import SamplingParams
-    from kvcore.workload import chat_workload
-
-    engine, tok = llm.engine, llm.get_tokenizer()
-    if tok is None:
-        raise KvCoreError("kvcore run needs a model with a tokenizer (the chat workload is text)")
-    convs = chat_workload(args.conversations, seed=args.seed)
-    answers: list[list[str]] = [[] for _ in convs]
-    owner: dict[str, tuple[int, int]] = {}
-
-    def submit(c: int) -> None:
-        turn = len(answers[c])
-        msgs = convs[c].messages(turn, answers[c])
-        ids = tok.apply_chat_template(
-            msgs, tokenize=True, add_generation_prompt=True, return_dict=False
-        )
-        max_tokens = convs[c].max_tokens[turn]
-        if args.max_tokens:
-            max_tokens = min(max_tokens, args.max_tokens)
-        seed = args.seed if args.temperature > 0 else None
-        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=seed)
-        owner[engine.add_request(list(ids), params)] = (c, turn)
-
-    total = sum(len(c.turns) for c in convs)
-    outputs, prompts = [], []
-    bar = tqdm(total=total, desc="kvcore run", unit="req", dynamic_ncols=True)
-    start, num_tokens = time.perf_counter(), 0
-    for c in range(len(convs)):
-        submit(c)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if not out.finished:
-                continue
-            c, turn = owner.pop(out.request_id)
-            outputs.append(out)
-            prompts.append(out.prompt_token_ids)
-            answers[c].append(out.outputs[0].text)
-            num_tokens += len(out.outputs[0].token_ids)
-            if turn + 1 < len(convs[c].turns):
-                submit(c)
-            bar.set_postfix_str(
-                f"{num_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False
-            )
-            bar.update(1)
-    bar.close()
-    return outputs, prompts, time.perf_counter() - start
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from kvcore.report import summarize
+    from kvcore.report import Row, format_table, rows_json, summarize
+    from kvcore.run_job import run_chat
 
     llm = _make_llm(args)
-    outputs, prompts, wall = _run_chat(llm, args)
-    summary = summarize(outputs, wall, llm.engine)
-    print("\n".join(summary.lines("kvcore")))
-    if args.compare:
+    result = run_chat(llm, args)
+    summary = summarize(result.outputs, result.wall_s, llm.engine)
+    rows = summary.rows("kvcore")
+    if args.compare and not result.interrupted:
         from kvcore.baselines import hf_generate
-
-        lens = [max(1, len(o.outputs[0].token_ids)) for o in outputs]
-        peer = hf_generate(llm.engine.model, prompts, lens, batch_size=args.compare_batch)
         from kvcore.report import percentiles
 
-        print(f"{peer.name}_tok_per_s: {peer.tok_per_s:.1f} tok/s")
-        print(f"{peer.name}_ttft_p50_ms: {percentiles(peer.ttft_s)[50] * 1e3:.1f} ms")
-        print(f"ratio_vs_{peer.name}: {summary.tok_per_s / peer.tok_per_s:.2f} x")
+        lens = [max(1, len(o.outputs[0].token_ids)) for o in result.outputs]
+        peer = hf_generate(llm.engine.model, result.prompts, lens, batch_size=args.compare_batch)
+        rows += [
+            Row(f"{peer.name}_tok_per_s", f"{peer.name} throughput", round(peer.tok_per_s, 1),
+                "tok/s"),
+            Row(f"{peer.name}_ttft_p50_ms", f"{peer.name} time to first token, p50",
+                round(percentiles(peer.ttft_s)[50] * 1e3, 1), "ms"),
+            Row(f"ratio_vs_{peer.name}", f"kvcore throughput / {peer.name}",
+                round(summary.tok_per_s / peer.tok_per_s, 2), "x"),
+        ]  # fmt: skip
+    if args.format == "lines":
+        print("\n".join(r.line() for r in rows))
+    else:
+        title = "kvcore run" + (" (interrupted: partial report)" if result.interrupted else "")
+        print(format_table(rows, title))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"interrupted": result.interrupted, "figures": rows_json(rows)}, f, indent=1)
+    if result.interrupted:
+        print(
+            f"kvcore run: interrupted after {len(result.outputs)} of {result.total_requests} "
+            "requests",
+            file=sys.stderr,
+        )
+        return ca.EXIT_INTERRUPTED
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvcore.outputs import SamplingParams
+    from kvcore.config import blocks_for_request, resolve_device
+    from kvcore.generation_defaults import default_sampling_params, model_sampling_defaults
+    from kvcore.models import load_model
 
-    llm = _make_llm(args)
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.seed if args.temperature > 0 else None,
-    )
-    tok = llm.get_tokenizer()
+    # Load first to size the KV pool to this one request (not the default pool).
+    args.device = str(resolve_device(args.device))
+    model, tok = load_model(args.model, device=args.device, seed=args.seed)
     prompt: Any = args.prompt
     if tok is not None and args.chat and getattr(tok, "chat_template", None):
         msgs = [{"role": "user", "content": args.prompt}]
@@ -162,58 +162,128 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 msgs, tokenize=True, add_generation_prompt=True, return_dict=False
             )
         )
+    model_max = model_sampling_defaults(model).get("max_tokens")
+    max_tokens = args.max_tokens or model_max or 128
+    extra = {}
+    if args.num_blocks is None and args.kv_memory_mb is None:
+        prompt_len = len(prompt) if isinstance(prompt, list) else len(prompt.encode()) + 2
+        extra["num_blocks"] = blocks_for_request(prompt_len, max_tokens, args.block_size)
+    llm = _make_llm(args, model, tok, **extra)
+    params = default_sampling_params(
+        model,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        max_tokens=max_tokens,
+        seed=args.seed,
+    )
+    if args.verbose:
+        print(f"kvcore generate: {params}", file=sys.stderr)
+    stream = llm.engine.stream(prompt, params)
     printed = 0
-    for out in llm.engine.stream(prompt, params):
-        text = out.outputs[0].text
-        sys.stdout.write(text[printed:])
+    try:
+        for out in stream:
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
         sys.stdout.flush()
-        printed = len(text)
+        print("kvcore generate: interrupted", file=sys.stderr)
+        return ca.EXIT_INTERRUPTED
+    finally:
+        stream.close()  # an abandoned stream aborts its request
     sys.stdout.write("\n")
     return 0
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvcore`` argument parser (``plan`` and ``eval-kv`` parse their own arguments)."""
+    from kvcore import __version__
+
+    parser = ca.Parser(
+        prog="kvcore",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kvcore {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("plan", help="KV capacity per storage format for a config and memory budget")
+    sub.add_parser("eval-kv", help="quality gate of the quantized KV formats on SmolLM2")
+    run = sub.add_parser(
+        "run",
+        help="serve the built-in chat workload and print a report (the default command)",
+        description="Serve the built-in chat workload (24 conversations sharing a system prompt, "
+        "follow-up turns, mixed prompt lengths) and print throughput, latency and cache figures.",
+    )
+    _engine_args(run)
+    run.add_argument("--conversations", type=ca.positive_int, default=24)
+    run.add_argument("--temperature", type=ca.float_in(0.0), default=0.0)
+    run.add_argument(
+        "--max-tokens", type=ca.positive_int, default=None, help="cap on each answer's length"
+    )
+    run.add_argument("--compare", action="store_true", help="also run transformers generate")
+    run.add_argument(
+        "--compare-batch", type=ca.positive_int, default=8, help="static batch size of --compare"
+    )
+    run.add_argument(
+        "--format", choices=["table", "lines"], default="table",
+        help="report as a table or as machine-readable 'name: value unit' lines",
+    )  # fmt: skip
+    run.add_argument("--json", metavar="FILE", default=None, help="also write the report as JSON")
+    run.set_defaults(func=cmd_run)
+    gen = sub.add_parser(
+        "generate",
+        help="complete one prompt (streamed)",
+        description="Stream one completion. Sampling follows the model's generation_config "
+        "(temperature, top-p, top-k, min-p, repetition penalty); flags override it.",
+    )
+    gen.add_argument("prompt")
+    _engine_args(gen)
+    gen.add_argument(
+        "--max-tokens", type=ca.positive_int, default=None, help="default: the model's, else 128"
+    )
+    gen.add_argument(
+        "--temperature", type=ca.float_in(0.0), default=None, help="0 is greedy (default: model's)"
+    )
+    gen.add_argument("--top-p", type=ca.float_in(0.0, 1.0, low_open=True), default=None)
+    gen.add_argument("--top-k", type=ca.int_at_least(-1), default=None, help="-1: off")
+    gen.add_argument("--min-p", type=ca.float_in(0.0, 1.0), default=None)
+    gen.add_argument("--repetition-penalty", type=ca.float_in(0.0, low_open=True), default=None)
+    gen.add_argument("--no-chat", dest="chat", action="store_false", help="raw prompt, no template")
+    gen.add_argument("-v", "--verbose", action="store_true", help="print the sampling parameters")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvcore`` console script."""
+    """Entry point of the ``kvcore`` console script and of ``python -m kvcore``."""
     # Idle OpenMP threads sleep rather than spin (read when torch loads, below): on cores shared
     # with other work, spinning threads make multi-threaded CPU runs many times slower.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("plan", "eval-kv"):
+    try:
+        return _main(argv)
+    except SystemExit as e:  # argparse: --help, --version, a bad argument (already printed)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else ca.EXIT_USAGE)
+
+
+def _main(argv: list[str]) -> int:
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
+        argv = ["run", *argv]  # no command: the main job
+    if argv[0] in ("plan", "eval-kv"):
         # The quantized-cache commands own their argument parsers (kvcore/quant_cli.py).
         from kvcore import quant_cli
 
         sub_main = quant_cli.plan_main if argv[0] == "plan" else quant_cli.eval_kv_main
-        try:
-            return int(sub_main(argv[1:]))
-        except KvCoreError as e:
-            print(f"kvcore: error: {e}", file=sys.stderr)
-            return 2
-    parser = argparse.ArgumentParser(prog="kvcore", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("plan", help="KV capacity per storage format for a config and memory budget")
-    sub.add_parser("eval-kv", help="quality gate of the quantized KV formats on SmolLM2")
-    run = sub.add_parser("run", help="serve the built-in chat workload and print a report")
-    _engine_args(run)
-    run.add_argument("--conversations", type=int, default=24)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--max-tokens", type=int, default=None, help="cap on each answer's length")
-    run.add_argument("--compare", action="store_true", help="also run transformers generate")
-    run.add_argument("--compare-batch", type=int, default=8, help="static batch size of --compare")
-    run.set_defaults(func=cmd_run)
-    gen = sub.add_parser("generate", help="complete one prompt (streamed)")
-    gen.add_argument("prompt")
-    _engine_args(gen)
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--no-chat", dest="chat", action="store_false", help="raw prompt, no template")
-    gen.set_defaults(func=cmd_generate)
-    args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["run", *(argv or [])])
-    try:
-        return int(args.func(args))
-    except KvCoreError as e:
-        print(f"kvcore: error: {e}", file=sys.stderr)
-        return 2
+        with ca.report_errors(f"kvcore {argv[0]}") as status:
+            status[0] = int(sub_main(argv[1:]))
+        return status[0]
+    args = build_parser().parse_args(argv)
+    with ca.report_errors(f"kvcore {args.command}") as status:
+        status[0] = int(args.func(args))
+    return status[0]

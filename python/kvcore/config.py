@@ -5,8 +5,10 @@ Every check raises ``InvalidArgumentError`` before any memory is allocated or re
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from kvcore_kernels.quant import FORMATS as QUANT_FORMATS
@@ -24,11 +26,100 @@ KV_FORMATS = {  # model-dtype storage (a plain cache tensor per layer)
 # Quantized storage (kvcore_kernels.quant): quantized in the store kernel, dequantized as
 # attention loads it. A list of these (one per layer) is a per-layer mix.
 QUANTIZED_FORMATS = tuple(name for name in QUANT_FORMATS if name != "auto")
-DEFAULT_KV_MEMORY_BYTES = 1 << 30  # on the CPU, when neither blocks nor bytes are given
+DEFAULT_KV_MEMORY_BYTES = 1 << 30  # CPU cap, when neither blocks nor bytes are given
+DEFAULT_KV_MEMORY_FRACTION = 0.25  # ... and at most this share of the available RAM
+DEVICE_TYPES = ("cpu", "cuda")  # where the kernels run (Triton or their torch twins)
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """The device to run on: ``None`` picks the current CUDA device when there is one, else the
+    CPU; ``"cuda"`` becomes ``"cuda:N"`` (the current device). Raises ``InvalidArgumentError``
+    for an unknown device, a device kvcore cannot run on, or a CUDA device that is not there."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise InvalidArgumentError(
+                f"unknown device {device!r}: give one of {', '.join(DEVICE_TYPES)} or cuda:N"
+            ) from None
+    elif isinstance(device, torch.device):
+        dev = device
+    else:
+        raise InvalidArgumentError(f"device must be a string or torch.device, got {device!r}")
+    if dev.type not in DEVICE_TYPES:
+        raise InvalidArgumentError(
+            f"device {str(dev)!r} is not supported: kvcore runs on {', '.join(DEVICE_TYPES)}"
+        )
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise InvalidArgumentError(f"device {str(dev)!r} was asked for, but CUDA is not available")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if not 0 <= index < count:
+        raise InvalidArgumentError(f"device {str(dev)!r}: there are {count} CUDA devices")
+    return torch.device("cuda", index)
+
+
+def available_memory_bytes() -> int | None:
+    """RAM this process may still use: ``MemAvailable``, lowered by a cgroup (v2) limit."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return None
+    try:  # a container's limit is often far below the host's free memory
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+        if limit != "max":
+            avail = min(avail, max(0, int(limit) - int(used)))
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def default_kv_memory_bytes(device: torch.device) -> int:
+    """The KV budget when none is given: 80% of the free memory of a CUDA device; on the CPU
+    ``min(1 GiB, 25% of the available RAM)``."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    avail = available_memory_bytes()
+    if avail is None:
+        return DEFAULT_KV_MEMORY_BYTES
+    return max(1 << 20, min(DEFAULT_KV_MEMORY_BYTES, int(avail * DEFAULT_KV_MEMORY_FRACTION)))
+
+
+def blocks_for_request(prompt_len: int, max_tokens: int, block_size: int, n: int = 1) -> int:
+    """A pool (the null block included) that holds one request of ``prompt_len`` prompt tokens,
+    ``n`` samples of ``max_tokens``: each sample's own blocks, the scheduler's 1% watermark and
+    one spare block, rounded up to a multiple of 8."""
+    for name, value, low in (
+        ("prompt_len", prompt_len, 1),
+        ("max_tokens", max_tokens, 1),
+        ("block_size", block_size, 1),
+        ("n", n, 1),
+    ):
+        if not (_is_int(value) and value >= low):
+            raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+    need = n * -(-(prompt_len + max_tokens) // block_size)
+    total = 1 + need + 1 + -(-need // 99)  # null + blocks + spare + watermark (ceil 1%)
+    return -(-total // 8) * 8
 
 
 @dataclass
@@ -37,7 +128,7 @@ class CacheConfig:
 
     block_size: int = 16
     num_blocks: int | None = None  # including the null block; wins over kv_memory_bytes
-    kv_memory_bytes: int | None = None  # KV budget over all layers; default 1 GiB on the CPU
+    kv_memory_bytes: int | None = None  # KV budget over all layers (default_kv_memory_bytes)
     # auto (the model dtype) | float32 | float16 | bfloat16 | a quantized format (fp8_e4m3,
     # int8, int4, kivi2, ...: QUANTIZED_FORMATS) | a list of formats, one per layer
     kv_format: str | Sequence[str] = "auto"
@@ -128,11 +219,7 @@ class CacheConfig:
             return self.num_blocks
         budget = self.kv_memory_bytes
         if budget is None:
-            if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                budget = int(free * 0.8)
-            else:
-                budget = DEFAULT_KV_MEMORY_BYTES
+            budget = default_kv_memory_bytes(device)
         blocks = (budget - reserved_bytes) // bytes_per_block
         if blocks < 2:
             raise InvalidArgumentError(

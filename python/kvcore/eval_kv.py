@@ -20,6 +20,7 @@ Block ids: sequence ``r`` owns blocks ``1 + r * max_blocks ...`` (the scheduler 
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,9 +156,19 @@ class PagedLM:
 
 def perplexity(lm: PagedLM, formats, seqs: list[list[int]], chunk: int) -> float:
     """Perplexity of equal-length ``seqs`` (batched), prefilled ``chunk`` tokens per step."""
+    if not seqs or len(seqs[0]) < 2 or not (isinstance(chunk, int) and chunk >= 1):
+        raise InvalidArgumentError("perplexity: needs sequences of >= 2 tokens and a chunk >= 1")
     n = len(seqs[0])
     if any(len(s) != n for s in seqs):
         raise InvalidArgumentError("perplexity: sequences must have equal lengths")
+    names = [formats] if isinstance(formats, str) else list(formats)
+    if n - 1 <= chunk and any(str(f).startswith("kivi") for f in names):
+        warnings.warn(
+            f"perplexity: {n - 1} tokens fed in one step of {chunk}: KIVI reads no quantized KV "
+            "(it keeps the step's blocks in full precision), so its change reads 0; use a "
+            "chunk below the text length",
+            stacklevel=2,
+        )
     caches = lm.caches(formats, len(seqs), n, chunk)
     nll, count = 0.0, 0
     for start in range(0, n - 1, chunk):

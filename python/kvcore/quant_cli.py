@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from typing import Any
 
+from kvcore import cli_args as ca
 from kvcore.errors import KvCoreError
 
 DEFAULT_EVAL_FORMATS = "fp8_e4m3,fp8_e5m2,int8,int4,kivi4,kivi2,int2"
@@ -21,30 +21,39 @@ DEFAULT_EVAL_FORMATS = "fp8_e4m3,fp8_e5m2,int8,int4,kivi4,kivi2,int2"
 
 def plan_main(argv: list[str] | None = None) -> int:
     """``kvcore plan --config config.json --memory 8GiB [--formats ...] [--context N]``."""
-    from kvcore.planner import DEFAULT_FORMATS, format_table, parse_memory, plan_capacity
+    from kvcore.planner import DEFAULT_FORMATS, format_table, plan_capacity
 
-    p = argparse.ArgumentParser(prog="kvcore plan", description=plan_main.__doc__)
+    p = ca.Parser(
+        prog="kvcore plan",
+        description="KV capacity of a model config for a memory budget, per storage format: "
+        "bytes per token, tokens and concurrent requests the budget holds.",
+    )
     p.add_argument("--config", required=True, help="config.json or a checkpoint folder")
-    p.add_argument("--memory", required=True, help="KV budget, e.g. 8GiB, 500MiB, 80GB")
-    p.add_argument("--formats", default=",".join(DEFAULT_FORMATS), help="comma-separated")
-    p.add_argument("--context", type=int, default=None, help="tokens per request (default: max)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kivi-window", type=int, default=0, help="KIVI full blocks kept in fp")
+    p.add_argument(
+        "--memory", required=True, type=ca.memory_size, help="KV budget, e.g. 8GiB, 500MiB, 80GB"
+    )
+    p.add_argument(
+        "--formats", type=ca.name_list, default=list(DEFAULT_FORMATS), help="comma-separated"
+    )
+    p.add_argument(
+        "--context", type=ca.positive_int, default=None, help="tokens per request (default: max)"
+    )
+    p.add_argument("--block-size", type=ca.positive_int, default=16)
+    p.add_argument(
+        "--kivi-window", type=ca.int_in(0, 64), default=0, help="KIVI full blocks kept in fp"
+    )
     args = p.parse_args(argv)
-    try:
+    with ca.report_errors("kvcore plan") as status:
         geom, rows = plan_capacity(
             args.config,
             args.memory,
-            formats=[f for f in args.formats.split(",") if f],
+            formats=args.formats,
             block_size=args.block_size,
             context_len=args.context,
             kivi_window=args.kivi_window,
         )
-        print(format_table(geom, rows, parse_memory(args.memory)))
-    except KvCoreError as e:
-        print(f"kvcore plan: {e}", file=sys.stderr)
-        return 2
-    return 0
+        print(format_table(geom, rows, args.memory))
+    return status[0]
 
 
 def corpus_ids(tokenizer: Any) -> list[int]:
@@ -55,40 +64,53 @@ def corpus_ids(tokenizer: Any) -> list[int]:
 
 
 def _eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvcore eval-kv", description="KV quantization quality gate")
+    p = ca.Parser(prog="kvcore eval-kv", description="KV quantization quality gate")
     a = p.add_argument
-    a("--formats", default=DEFAULT_EVAL_FORMATS, help="comma-separated ('auto' is the reference)")
-    a("--seed", type=int, default=0)
+    pos, names = ca.positive_int, ca.name_list
+    a("--formats", type=names, default=DEFAULT_EVAL_FORMATS.split(","),
+      help="comma-separated ('auto' is the reference)")  # fmt: skip
+    a("--seed", type=ca.non_negative_int, default=0)
     a("--model", default="smollm2-135m")
-    a("--threads", type=int, default=None, help="torch threads (1 is fastest on busy CPUs)")
+    a("--threads", type=pos, default=None, help="torch threads (1 is fastest on busy CPUs)")
     a("--backend", default="auto", choices=["auto", "torch", "triton"])
-    a("--block-size", type=int, default=16)
-    a("--kivi-window", type=int, default=0, help="KIVI full blocks kept in the model dtype")
+    a("--block-size", type=pos, default=16)
+    a("--kivi-window", type=ca.int_in(0, 64), default=0, help="KIVI full blocks kept in fp")
     a("--rotate", default=None, choices=["none", "k", "v", "kv"], help="override rotations")
-    a("--ppl-seqs", type=int, default=2, help="text sequences for perplexity")
-    a("--ppl-len", type=int, default=1024, help="tokens per perplexity sequence")
-    a("--chunk", type=int, default=256, help="prefill chunk (tokens per step per sequence)")
-    a("--prompts", type=int, default=50, help="prompts for greedy agreement")
-    a("--prompt-len", type=int, default=32)
-    a("--gen", type=int, default=64, help="greedy tokens per prompt")
-    a("--needle-lengths", default="1024,2048,4096", help="comma-separated ('' to skip)")
+    a("--ppl-seqs", type=pos, default=2, help="text sequences for perplexity")
+    a("--ppl-len", type=ca.int_at_least(2), default=1024, help="tokens per perplexity sequence")
+    a("--chunk", type=pos, default=256, help="prefill chunk (tokens per step per sequence)")
+    a("--prompts", type=pos, default=50, help="prompts for greedy agreement")
+    a("--prompt-len", type=pos, default=32)
+    a("--gen", type=pos, default=64, help="greedy tokens per prompt")
+    a("--needle-lengths", type=ca.positive_int_list, default=[1024, 2048, 4096],
+      help="comma-separated ('' to skip)")  # fmt: skip
     a("--no-layer-errors", action="store_true", help="skip the per-layer attention errors")
-    a("--mix", default=None, help="a per-layer format list (comma-separated), shown as 'mixed'")
-    a("--auto-mix", type=float, default=None, help="assign a mix within this ppl budget (%%)")
-    a("--mix-candidates", default="int4,kivi2", help="formats the automatic mix may use")
-    a("--mix-calib-len", type=int, default=512, help="calibration tokens of the automatic mix")
+    a("--mix", type=names, default=None, help="a per-layer format list, shown as 'mixed'")
+    a("--auto-mix", type=ca.float_in(0.0), default=None,
+      help="assign a mix within this ppl budget (%%), verified on the perplexity text")  # fmt: skip
+    a("--mix-candidates", type=names, default=["int4", "kivi2"],
+      help="formats the automatic mix may use")  # fmt: skip
+    a("--mix-calib-len", type=ca.int_at_least(2), default=512,
+      help="calibration tokens of the automatic mix")  # fmt: skip
     return p
 
 
 def eval_kv_main(argv: list[str] | None = None) -> int:
     """``kvcore eval-kv --formats LIST --seed S``: the quality table of quantized caches."""
     args = _eval_parser().parse_args(argv)
-    try:
+    mix_cands = args.mix_candidates if args.auto_mix is not None else []
+    kivi = [f for f in [*args.formats, *(args.mix or []), *mix_cands] if f.startswith("kivi")]
+    ca.check(
+        not kivi or args.ppl_len > args.chunk + 1,
+        "kvcore eval-kv",
+        f"--ppl-len {args.ppl_len} must be at least --chunk + 2 ({args.chunk + 2}) for "
+        f"{kivi[0] if kivi else 'KIVI'}: in one prefill step no token reads quantized KV (KIVI "
+        "keeps the step's newest blocks in full precision), so its perplexity change would read "
+        "0; raise --ppl-len or lower --chunk",
+    )
+    with ca.report_errors("kvcore eval-kv") as status:
         _eval(args)
-    except KvCoreError as e:
-        print(f"kvcore eval-kv: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return status[0]
 
 
 def _eval(args: argparse.Namespace) -> None:
@@ -108,7 +130,7 @@ def _eval(args: argparse.Namespace) -> None:
     model, tok = load_model(args.model)
     if tok is None:
         raise KvCoreError("eval-kv needs a model with a tokenizer (real text)")
-    names = [f for f in args.formats.split(",") if f and f != "auto"]
+    names = [f for f in args.formats if f != "auto"]
     num_layers = model.config.num_hidden_layers
     geom = geometry(model.config)
     specs: dict[str, Any] = {"auto": "auto"}
@@ -119,7 +141,7 @@ def _eval(args: argparse.Namespace) -> None:
         if args.mix:
             from kvcore_kernels.quant import resolve_formats
 
-            specs["mixed"] = resolve_formats(args.mix.split(","), num_layers)
+            specs["mixed"] = resolve_formats(args.mix, num_layers)
             for n in set(specs["mixed"]):
                 check_format(
                     n, head_dim=geom.head_dim, dtype=model.dtype, block_size=args.block_size
@@ -140,9 +162,11 @@ def _eval(args: argparse.Namespace) -> None:
         ids[s : s + args.prompt_len] for s in _starts(rng, len(ids), args.prompt_len, args.prompts)
     ]
     if args.auto_mix is not None:
-        cands = args.mix_candidates.split(",")
         calib = [ppl_seqs[0][: args.mix_calib_len]]
-        mix = assign_mix(lm, calib, cands, args.auto_mix, chunk=args.chunk, log=print)
+        mix = assign_mix(
+            lm, calib, args.mix_candidates, args.auto_mix, chunk=args.chunk,
+            verify_seqs=ppl_seqs, verify_chunk=args.chunk, log=print,
+        )  # fmt: skip
         specs["mixed"] = mix.formats
     lines: list[tuple[str, float, str]] = []
     fp16 = num_layers * layer_bytes_per_token(geom, "float16", args.block_size)
@@ -171,7 +195,7 @@ def _eval(args: argparse.Namespace) -> None:
         table[name]["agree"] = agree
         _emit([(f"agreement_{name}", agree, f"% of {len(prompts)}x{args.gen} greedy tokens")])
     phase = _phase("agreement", phase)
-    lengths = [int(x) for x in args.needle_lengths.split(",") if x]
+    lengths = args.needle_lengths
     if lengths:
         cases = ev.needle_prompts(tok, ids, lengths, args.seed)
         for name, spec in specs.items():

@@ -1,5 +1,6 @@
 """Engine statistics and run summaries: throughput, latency percentiles, cache figures and the
-engine's own share of the time, printed as ``name: value unit`` lines."""
+engine's own share of the time. A report is a list of ``Row`` (name, what, value, unit), printed
+as a readable table (``format_table``), as ``name: value unit`` lines or as JSON."""
 
 from __future__ import annotations
 
@@ -85,6 +86,18 @@ class EngineStats:
         return self.waste_sum / self.waste_steps if self.waste_steps else 0.0
 
 
+# engine_figures() key -> (what it is, unit)
+ENGINE_FIGURES = {
+    "prefix_hit_rate_pct": ("prefix cache hit rate", "%"),
+    "peak_kv_usage_pct": ("peak KV cache usage", "%"),
+    "kv_waste_pct": ("KV slots past sequence ends", "%"),
+    "preemptions": ("preemptions", ""),
+    "steps": ("engine steps", ""),
+    "engine_overhead_pct": ("time outside the model forward", "%"),
+    "engine_overhead_at_64_running_pct": ("same, steps with >= 64 running", "%"),
+}
+
+
 def percentiles(values: list[float], qs: tuple[int, ...] = (50, 95, 99)) -> dict[int, float]:
     """Percentiles of ``values`` (nan when empty)."""
     if not values:
@@ -109,24 +122,74 @@ class RunSummary:
         """Output tokens per second of wall time."""
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
-    def lines(self, prefix: str = "kvcore") -> list[str]:
-        """The summary as ``name: value unit`` lines."""
+    def rows(self, prefix: str = "kvcore") -> list[Row]:
+        """The summary as (name, what, value, unit) rows, names prefixed with ``prefix_``."""
         out = [
-            f"{prefix}_requests: {self.num_requests} req",
-            f"{prefix}_output_tokens: {self.output_tokens} tok",
-            f"{prefix}_wall_s: {self.wall_s:.2f} s",
-            f"{prefix}_tok_per_s: {self.tok_per_s:.1f} tok/s",
+            Row(f"{prefix}_requests", "requests finished", self.num_requests, "req"),
+            Row(f"{prefix}_output_tokens", "output tokens", self.output_tokens, "tok"),
+            Row(f"{prefix}_wall_s", "wall time", round(self.wall_s, 2), "s"),
+            Row(f"{prefix}_tok_per_s", "output throughput", round(self.tok_per_s, 1), "tok/s"),
         ]
-        for name, vals in (("ttft", self.ttft_s), ("itl", self.itl_s)):
+        for name, what, vals in (
+            ("ttft", "time to first token", self.ttft_s),
+            ("itl", "inter-token latency", self.itl_s),
+        ):
             for q, v in percentiles(vals).items():
-                out.append(f"{prefix}_{name}_p{q}_ms: {v * 1e3:.1f} ms")
+                out.append(
+                    Row(f"{prefix}_{name}_p{q}_ms", f"{what}, p{q}", round(v * 1e3, 1), "ms")
+                )
         for key, value in self.engine.items():
-            out.append(
-                f"{prefix}_{key}: {value:.4g}"
-                if isinstance(value, float)
-                else f"{prefix}_{key}: {value}"
-            )
+            what, unit = ENGINE_FIGURES.get(key, (key.replace("_", " "), ""))
+            out.append(Row(f"{prefix}_{key}", what, value, unit))
         return out
+
+    def lines(self, prefix: str = "kvcore") -> list[str]:
+        """The summary as ``name: value unit`` lines (the machine-readable form)."""
+        return [r.line() for r in self.rows(prefix)]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One figure of a report: its line name, what it is, its value and unit."""
+
+    name: str
+    what: str
+    value: float | int
+    unit: str = ""
+
+    def text(self) -> str:
+        """The value as printed (floats to 4 significant digits unless already rounded)."""
+        v = self.value
+        if isinstance(v, float) and v != round(v, 2):
+            return f"{v:.4g}"
+        return str(v)
+
+    def line(self) -> str:
+        """``name: value unit``."""
+        return f"{self.name}: {self.text()} {self.unit}".rstrip()
+
+
+def format_table(rows: list[Row], title: str | None = None) -> str:
+    """Rows as an aligned, readable table (what | value | unit)."""
+    what_w = max([len(r.what) for r in rows] + [4])
+    value_w = max([len(r.text()) for r in rows] + [5])
+    out = [title] if title else []
+    out.append(f"{'what':<{what_w}}  {'value':>{value_w}}  unit")
+    out.append(f"{'-' * what_w}  {'-' * value_w}  ----")
+    out += [f"{r.what:<{what_w}}  {r.text():>{value_w}}  {r.unit}".rstrip() for r in rows]
+    return "\n".join(out)
+
+
+def rows_json(rows: list[Row]) -> dict[str, dict[str, Any]]:
+    """Rows as a JSON-ready dict: name -> {value, unit, what} (non-finite values as null)."""
+    return {
+        r.name: {
+            "value": r.value if not isinstance(r.value, float) or np.isfinite(r.value) else None,
+            "unit": r.unit,
+            "what": r.what,
+        }
+        for r in rows
+    }
 
 
 def summarize(outputs: list[RequestOutput], wall_s: float, engine: Any | None = None) -> RunSummary:

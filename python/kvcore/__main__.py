@@ -1,0 +1,8 @@
+"""``python -m kvcore``: the ``kvcore`` command."""
+
+import sys
+
+from kvcore.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
