@@ -253,3 +253,16 @@ def test_concurrent_generate_calls_both_complete(model):
         assert [o.outputs[0].token_ids for o in got["a"]] == want_a
         assert [o.outputs[0].token_ids for o in got["b"]] == want_b
         _check(llm)
+
+
+def test_default_sampling_params_come_from_the_generation_config(model):
+    llm = _llm(model)
+    model.generation_config.temperature = 0.6
+    model.generation_config.top_p = 0.9
+    try:
+        p = llm.get_default_sampling_params(max_tokens=7)
+        assert (p.temperature, p.top_p, p.max_tokens) == (0.6, 0.9, 7)
+        assert llm.get_default_sampling_params(temperature=0).greedy
+    finally:
+        model.generation_config.temperature = 1.0
+        model.generation_config.top_p = 1.0

@@ -27,13 +27,12 @@ from typing import Any
 import torch
 from kvcore_kernels import KernelConfigError
 
-from kvcore.config import CacheConfig, SchedulerConfig
+from kvcore.config import CacheConfig, SchedulerConfig, resolve_device
 from kvcore.engine_inputs import (
     PromptType,
     broadcast,
     check_engine_args,
     check_prompt,
-    engine_device,
     eos_ids,
     priorities,
     prompt_ids,
@@ -83,7 +82,7 @@ class LLMEngine(StepLoop):
         ):
             if not isinstance(value, cls):
                 raise InvalidArgumentError(f"{name} must be a {cls.__name__}, got {value!r}")
-        dev = engine_device(device)
+        dev = resolve_device(device)
         check_engine_args(seed, kernel_backend, dev)
         if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len > 1):
             raise InvalidArgumentError(f"max_model_len must be an int > 1, got {max_model_len!r}")

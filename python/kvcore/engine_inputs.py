@@ -17,32 +17,10 @@ from kvcore.errors import InvalidArgumentError, TooLongError
 from kvcore.outputs import SamplingParams
 
 PromptType = str | Sequence[int]
-DEVICE_TYPES = ("cpu", "cuda")
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int | np.integer) and not isinstance(x, bool)
-
-
-def engine_device(device: str | torch.device | None) -> torch.device:
-    """The engine's device: CUDA when available by default; "cuda" becomes "cuda:N" (the
-    current device). Unknown device types and a CUDA device without CUDA are refused."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise InvalidArgumentError(f"device: {device!r} is not a device ({e})") from None
-    if dev.type not in DEVICE_TYPES:
-        raise InvalidArgumentError(f"device must be cpu or cuda, got {device!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InvalidArgumentError(f"device {device!r}: CUDA is not available here")
-        index = torch.cuda.current_device() if dev.index is None else dev.index
-        if not 0 <= index < torch.cuda.device_count():
-            raise InvalidArgumentError(f"device {device!r}: no such CUDA device")
-        return torch.device("cuda", index)
-    return torch.device("cpu")
 
 
 def check_engine_args(seed: Any, kernel_backend: Any, device: torch.device) -> None:

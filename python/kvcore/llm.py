@@ -103,6 +103,13 @@ class LLM:
         """The tokenizer (None for a model given without one)."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """``SamplingParams`` from the model's ``generation_config`` (temperature, top-p,
+        top-k, min-p, repetition penalty), then ``overrides`` (as vLLM's method of this name)."""
+        from kvcore.generation_defaults import default_sampling_params
+
+        return default_sampling_params(self.engine.model, **overrides)
+
     def generate(
         self,
         prompts: Any,
