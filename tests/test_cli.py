@@ -129,7 +129,7 @@ def test_bad_arguments_from_the_shell(index, tmp_path):
     assert r.stdout == ""
 
 
-def test_cuda_without_a_gpu_is_refused():
+def test_a_missing_gpu_is_refused():
     import torch
 
     if torch.cuda.is_available():

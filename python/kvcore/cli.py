@@ -23,10 +23,9 @@ from typing import Any
 
 from kvcore import cli_args as ca
 
-DESCRIPTION = (
-    "kvcore: an LLM inference engine with a paged, prefix-shared and optionally quantized KV "
-    "cache (Rust core, Triton kernels), running Hugging Face models on the CPU or a CUDA GPU."
-)
+DESCRIPTION = """\
+kvcore: an LLM inference engine with a paged, prefix-shared and optionally quantized KV cache
+(Rust core, Triton kernels) that runs Hugging Face models on the CPU or a CUDA GPU."""
 EPILOG = """\
 examples:
   kvcore run                               the main job: chat workload on SmolLM2-135M, report
