@@ -23,10 +23,9 @@ from typing import Any
 
 from kvcore import cli_args as ca
 
-DESCRIPTION = (
-    "kvcore: an LLM inference engine with a paged, prefix-shared and optionally quantized KV "
-    "cache (Rust core, Triton kernels), running Hugging Face models on the CPU or a CUDA GPU."
-)
+DESCRIPTION = """\
+kvcore: an LLM inference engine with a paged, prefix-shared and optionally quantized KV cache
+(Rust core, Triton kernels) that runs Hugging Face models on the CPU or a CUDA GPU."""
 EPILOG = """\
 examples:
   kvcore run                               the main job: chat workload on SmolLM2-135M, report
@@ -117,7 +116,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         from kvcore.report import percentiles
 
         lens = [max(1, len(o.outputs[0].token_ids)) for o in result.outputs]
-        peer = hf_generate(llm.engine.model, result.prompts, lens, batch_size=args.compare_batch)
+        try:
+            peer = hf_generate(
+                llm.engine.model, result.prompts, lens, batch_size=args.compare_batch
+            )
+        except KeyboardInterrupt:  # keep kvcore's own report
+            result.interrupted = True
+    if args.compare and not result.interrupted:
         rows += [
             Row(f"{peer.name}_tok_per_s", f"{peer.name} throughput", round(peer.tok_per_s, 1),
                 "tok/s"),

@@ -208,13 +208,15 @@ def _eval(args: argparse.Namespace) -> None:
     if not args.no_layer_errors:
         probes = {n: s for n, s in specs.items() if n != "auto"}
         errs = ev.layer_errors(lm, probes, ppl_seqs[0], args.chunk) if probes else {}
-        for name, e in errs.items():
-            table[name]["err"] = float(np.mean(e))
-            _emit([(f"attn_rel_err_{name}_layer{i}", float(x), "") for i, x in enumerate(e)])
+        for name, layer_err in errs.items():
+            table[name]["err"] = float(np.mean(layer_err))
+            _emit(
+                [(f"attn_rel_err_{name}_layer{i}", float(x), "") for i, x in enumerate(layer_err)]
+            )
             _emit(
                 [
-                    (f"attn_rel_err_{name}_mean", float(np.mean(e)), ""),
-                    (f"attn_rel_err_{name}_max", float(np.max(e)), ""),
+                    (f"attn_rel_err_{name}_mean", float(np.mean(layer_err)), ""),
+                    (f"attn_rel_err_{name}_max", float(np.max(layer_err)), ""),
                 ]
             )
     _phase("layer_errors", phase)
@@ -244,7 +246,12 @@ def _emit(lines: list[tuple[str, float, str]]) -> None:
 
 
 def _table(rows: dict[str, dict]) -> str:
-    cols = (("format", "<12"), ("B/token", ">9"), ("vs fp16", ">9"), ("ppl", ">9"))
+    cols: tuple[tuple[str, str], ...] = (
+        ("format", "<12"),
+        ("B/token", ">9"),
+        ("vs fp16", ">9"),
+        ("ppl", ">9"),
+    )
     cols += (("dppl %", ">9"), ("agree %", ">9"), ("needle", ">8"), ("attn err", ">10"))
     out = ["".join(f"{c:{w}}" for c, w in cols)]
     for name, r in rows.items():
