@@ -202,7 +202,10 @@ def mla_attention_torch(
             lat.view(n * kl, width).index_fill_(0, c.pad_rows, 0)
         qn = q_nope.index_select(0, c.q_index)  # [n * q_max, H, nope]
         qp = q_pe.index_select(0, c.q_index)
-        expand = expand_pays(r, nope, v, rope, qm, kl) if force is None else force == "expanded"
+        if force is None:  # decode is always absorbed: one query never pays for an up-projection
+            expand = qm > 1 and expand_pays(r, nope, v, rope, qm, kl)
+        else:
+            expand = force == "expanded"
         if expand:
             if w_uk_t is None:  # [r, H * nope] and [r, H * v]: one matmul up-projects
                 w_uk_t = w_uk.reshape(h * nope, r).t()

@@ -75,10 +75,10 @@ def check_mla_config(config: Any, kv_formats: list[str] | None = None) -> None:
     if int(config.qk_rope_head_dim) % 2:
         raise InvalidArgumentError("MLA model: an odd qk_rope_head_dim is not supported")
     for name in kv_formats or []:
-        if name != "auto":
+        if name not in ("auto", "float32", "float16", "bfloat16"):
             raise InvalidArgumentError(
                 f"MLA model: kv_format {name!r} is not supported on the latent cache yet "
-                "(it is stored in the model dtype; kv_format must be 'auto')"
+                "(it is stored in the model dtype: use kv_format 'auto')"
             )
 
 
@@ -184,7 +184,9 @@ class MLAAttention(torch.nn.Module):
         q_pe = q4[0].transpose(0, 1)  # [T, H, rope]
         k_pe = k4[0, 0].contiguous()  # [T, rope]
         cache = ctx.kv_caches[self.layer_idx]
-        kvcore_kernels.store_latent(c_kv.contiguous(), k_pe, cache, ctx.slot_mapping, backend=ctx.backend)
+        kvcore_kernels.store_latent(
+            c_kv.contiguous(), k_pe, cache, ctx.slot_mapping, backend=ctx.backend
+        )
         w_uk, w_uv = self.absorbed_weights()
         out = kvcore_kernels.mla_attention(
             q_nope,
@@ -223,3 +225,55 @@ def check_runner_args(config: Any, kv_dtype: torch.dtype, model_dtype: torch.dty
         raise KernelConfigError(
             f"MLA latent cache dtype {kv_dtype} must equal the model dtype {model_dtype}"
         )
+
+
+# The benchmark's DeepSeek-V3-shaped random model: MLA with MoE layers, small enough for a CPU.
+# Cache per token and layer: 128 + 32 = 160 values; MHA-equivalent 8 * (64 + 32 + 64) = 1,280.
+TINY_DEEPSEEK_CONFIG: dict[str, Any] = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1408,
+    moe_intermediate_size=256,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=192,
+    kv_lora_rank=128,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    n_routed_experts=16,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    max_position_embeddings=4096,
+)
+
+
+def tiny_deepseek(
+    version: str = "v3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Any:
+    """A DeepSeek-V2 or -V3 causal LM with seeded random weights (any config field overridable;
+    V3 gets ``n_group=topk_group=1`` unless given: group-limited routing over one group)."""
+    from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
+
+    fields = {**TINY_DEEPSEEK_CONFIG, **overrides}
+    fields["num_key_value_heads"] = fields["num_attention_heads"]
+    if version == "v3":
+        fields = {"n_group": 1, "topk_group": 1, **fields}
+        config = DeepseekV3Config(
+            **fields, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2
+        )
+    elif version == "v2":
+        config = DeepseekV2Config(
+            **fields, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2
+        )
+    else:
+        raise InvalidArgumentError(f"version must be 'v2' or 'v3', got {version!r}")
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    return model.to(dtype).eval()
