@@ -72,6 +72,41 @@ def kvcore_timed(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[l
     return [outs[i] for i in ids], seconds, steps * len(prompts)
 
 
+def prefill_forms(cfg, lengths: tuple[int, ...], dtype: torch.dtype) -> dict[str, float]:
+    """ms of one layer's MLA op on one fresh prefill chunk, absorbed vs expanded vs auto."""
+    import kvcore_kernels as kk
+    from kvcore_kernels import mla_torch
+
+    h, r, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    nope, v, bs = cfg.qk_nope_head_dim, cfg.v_head_dim, 16
+    gen = torch.Generator().manual_seed(0)
+    res = {}
+    for n in lengths:
+        blocks = -(-n // bs)
+        cache = torch.randn(blocks + 1, bs, r + rope, generator=gen).to(dtype)
+        meta = kk.plan_attention(
+            np.array([0, n]), np.array([n]), np.arange(1, blocks + 1)[None], bs
+        )
+        args = dict(
+            q_nope=torch.randn(n, h, nope, generator=gen).to(dtype),
+            q_pe=torch.randn(n, h, rope, generator=gen).to(dtype),
+            cache=cache,
+            meta=meta,
+            w_uk=torch.randn(h, nope, r, generator=gen).to(dtype) * r**-0.5,
+            w_uv=torch.randn(h, v, r, generator=gen).to(dtype) * r**-0.5,
+            scale=0.1,
+        )
+        for force in ("absorbed", "expanded", None):
+            mla_torch.mla_attention_torch(**args, force=force)
+            times = []
+            for _ in range(7):
+                start = time.perf_counter()
+                mla_torch.mla_attention_torch(**args, force=force)
+                times.append(time.perf_counter() - start)
+            res[f"prefill_{n}_{force or 'auto'}_ms"] = 1e3 * float(np.median(times))
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=0)
@@ -132,6 +167,9 @@ def main() -> None:
     print(f"ratio_vs_hf: {kv_rate / hf_rate:.2f} x")
     print(f"kvcore_decode_s: {kv_s:.2f} s")
     print(f"hf_decode_s: {hf_full - hf_prefill:.2f} s")
+    # Which form pays for a long prefill chunk (one layer's MLA op, median of 7).
+    for name, ms in prefill_forms(cfg, (32, 128, 512, 2048), model.dtype).items():
+        print(f"{name}: {ms:.2f} ms")
 
 
 if __name__ == "__main__":
