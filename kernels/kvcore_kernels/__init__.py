@@ -20,7 +20,11 @@ from kvcore_kernels.attention_torch import paged_attention_torch
 from kvcore_kernels.cache import NULL_BLOCK, allocate_kv_cache
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.mla import mla_attention, store_latent
-from kvcore_kernels.mla_cache import allocate_latent_cache, latent_bytes_per_token
+from kvcore_kernels.mla_cache import (
+    allocate_latent_cache,
+    allocate_latent_fp8_cache,
+    latent_bytes_per_token,
+)
 from kvcore_kernels.mla_torch import mla_attention_torch, store_latent_torch
 from kvcore_kernels.plan import AttentionMetadata, plan_attention
 from kvcore_kernels.store import store_kv, store_kv_torch
@@ -50,6 +54,7 @@ __all__ = [
     "KernelConfigError",
     "allocate_kv_cache",
     "allocate_latent_cache",
+    "allocate_latent_fp8_cache",
     "latent_bytes_per_token",
     "mla_attention",
     "mla_attention_torch",

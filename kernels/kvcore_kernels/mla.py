@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvcore_kernels.cache import check_backend
-from kvcore_kernels.mla_cache import check_latent_cache
+from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.mla_torch import mla_attention_torch, store_latent_torch
 from kvcore_kernels.plan import AttentionMetadata
 
@@ -32,7 +32,8 @@ def store_latent(
     """Write a step's latents (``c_kv`` [T, r], ``k_pe`` [T, rope]) into ``cache`` in place.
 
     Slots in the null block and negative slots (padding) are skipped."""
-    check_latent_cache(cache, c_kv.shape[-1] if isinstance(c_kv, torch.Tensor) else 1)
+    if not isinstance(cache, torch.Tensor):
+        raise KernelConfigError(f"latent cache must be a torch.Tensor, got {type(cache).__name__}")
     if check_backend(backend, cache.device) == "triton":
         from kvcore_kernels.mla_triton import store_latent_triton
 
@@ -60,7 +61,8 @@ def mla_attention(
     ``w_uk`` [H, nope, r] and ``w_uv`` [H, v_dim, r] the per-head slices of ``kv_b_proj``.
     Decode always runs the absorbed form; the torch twin up-projects long prefill chunks when
     that is cheaper (see ``mla_torch``). Raises ``KernelConfigError`` on bad input."""
-    check_latent_cache(cache, w_uk.shape[-1] if isinstance(w_uk, torch.Tensor) else 1)
+    if not isinstance(cache, torch.Tensor):
+        raise KernelConfigError(f"latent cache must be a torch.Tensor, got {type(cache).__name__}")
     if check_backend(backend, cache.device) == "triton":
         from kvcore_kernels.mla_triton import mla_attention_triton as run
     else:

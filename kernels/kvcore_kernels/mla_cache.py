@@ -41,6 +41,9 @@ from kvcore_kernels.cache import SUPPORTED_DTYPES
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
 
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
 
 @dataclass(frozen=True)
 class MLAShape:
@@ -52,6 +55,8 @@ class MLAShape:
     nope_dim: int  # width of q_nope (and of each head's up-projected non-rotary key)
     v_dim: int  # width of each head's value
     block_size: int
+    dtype: torch.dtype  # of the queries, weights and output (the cache's, unless FP8)
+    fp8: bool  # the cache holds FP8 rows with a per-block scale
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -88,36 +93,96 @@ def latent_bytes_per_token(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype)
     )
 
 
-def check_latent_cache(cache: torch.Tensor, kv_lora_rank: int) -> tuple[int, int, int]:
-    """Check the layout; return ``(num_blocks, block_size, rope_dim)``."""
+def fp8_row_bytes(block_size: int, width: int) -> int:
+    """Bytes of one FP8 latent block row: a float32 scale, then ``block_size * width`` codes,
+    padded to a multiple of 4 (so every row's scale stays 4-byte aligned)."""
+    return -(-(4 + block_size * width) // 4) * 4
+
+
+def allocate_latent_fp8_cache(
+    num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, device: torch.device | str
+) -> torch.Tensor:
+    """A zeroed FP8 latent cache: uint8 ``[num_blocks, fp8_row_bytes(block_size, r + rope)]``."""
+    _check_int("num_blocks", num_blocks, 2)
+    _check_int("block_size", block_size, 1)
+    width = _check_int("kv_lora_rank", kv_lora_rank, 1) + _check_int("rope_dim", rope_dim, 0)
+    return torch.zeros(
+        (num_blocks, fp8_row_bytes(block_size, width)), dtype=torch.uint8, device=device
+    )
+
+
+def fp8_views(rows: torch.Tensor, block_size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales float32 [N], codes float8_e4m3fn [N, block_size, width]) views of FP8 rows."""
+    scales = rows[:, :4].view(torch.float32)[:, 0]
+    codes = rows[:, 4 : 4 + block_size * width].view(FP8_DTYPE)
+    return scales, codes.unflatten(1, (block_size, width))
+
+
+@dataclass(frozen=True)
+class LatentLayout:
+    """What a latent cache tensor holds."""
+
+    num_blocks: int
+    block_size: int
+    rope_dim: int
+    fp8: bool  # uint8 rows of [scale | FP8 codes]; else [num_blocks, block_size, r + rope]
+
+
+def check_latent_cache(
+    cache: torch.Tensor, kv_lora_rank: int, rope_dim: int | None = None
+) -> LatentLayout:
+    """Check either latent layout (``rope_dim``, from the caller's ``k_pe`` / ``q_pe``, is
+    needed to read an FP8 cache, whose rows do not show it)."""
     if not isinstance(cache, torch.Tensor):
         raise KernelConfigError(f"latent cache must be a torch.Tensor, got {type(cache).__name__}")
+    r = _check_int("kv_lora_rank", kv_lora_rank, 1)
+    if cache.dtype == torch.uint8:  # FP8 rows
+        if cache.dim() != 2 or not cache.is_contiguous() or rope_dim is None:
+            raise KernelConfigError("an FP8 latent cache is a contiguous uint8 [num_blocks, row]")
+        width = r + rope_dim
+        block_size = (cache.shape[1] - 4) // width
+        if block_size < 1 or fp8_row_bytes(block_size, width) != cache.shape[1]:
+            raise KernelConfigError(
+                f"FP8 latent rows of {cache.shape[1]} bytes do not hold whole blocks of width "
+                f"{width} (kv_lora_rank {r} + rope {rope_dim})"
+            )
+        return LatentLayout(cache.shape[0], block_size, rope_dim, True)
     if cache.dim() != 3:
         raise KernelConfigError(
             "latent cache must be [num_blocks, block_size, kv_lora_rank + rope_dim], "
             f"got shape {tuple(cache.shape)}"
         )
     if cache.dtype not in SUPPORTED_DTYPES:
-        raise KernelConfigError(f"latent cache dtype must be one of {SUPPORTED_DTYPES}")
+        raise KernelConfigError(
+            f"latent cache dtype must be one of {SUPPORTED_DTYPES} (or uint8 FP8 rows)"
+        )
     if cache.stride(-1) != 1:
         raise KernelConfigError("latent cache must have a unit-stride last dimension")
-    r = _check_int("kv_lora_rank", kv_lora_rank, 1)
     if r > cache.shape[2]:
         raise KernelConfigError(f"kv_lora_rank {r} exceeds the cache row width {cache.shape[2]}")
-    return cache.shape[0], cache.shape[1], cache.shape[2] - r
+    if rope_dim is not None and rope_dim != cache.shape[2] - r:
+        raise KernelConfigError(f"rope dim {rope_dim} != the cache's {cache.shape[2] - r}")
+    return LatentLayout(cache.shape[0], cache.shape[1], cache.shape[2] - r, False)
 
 
 def check_store_latent_args(
     c_kv: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> tuple[int, int, int]:
-    """Checks both store backends share; returns ``(num_blocks, block_size, kv_lora_rank)``."""
+) -> LatentLayout:
+    """Checks both store backends share; returns the cache's layout."""
     if not isinstance(c_kv, torch.Tensor) or c_kv.dim() != 2:
         raise KernelConfigError("c_kv must be a [num_tokens, kv_lora_rank] tensor")
-    num_blocks, block_size, rope_dim = check_latent_cache(cache, c_kv.shape[1])
-    if not isinstance(k_pe, torch.Tensor) or tuple(k_pe.shape) != (c_kv.shape[0], rope_dim):
-        raise KernelConfigError(f"k_pe must be [{c_kv.shape[0]}, {rope_dim}] (num_tokens, rope)")
+    if not isinstance(k_pe, torch.Tensor) or k_pe.dim() != 2:
+        raise KernelConfigError("k_pe must be a [num_tokens, rope_dim] tensor")
+    layout = check_latent_cache(
+        cache, c_kv.shape[1], k_pe.shape[1] if cache.dtype == torch.uint8 else None
+    )
+    if tuple(k_pe.shape) != (c_kv.shape[0], layout.rope_dim):
+        raise KernelConfigError(
+            f"k_pe must be [{c_kv.shape[0]}, {layout.rope_dim}] (num_tokens, rope)"
+        )
+    dtype = c_kv.dtype if layout.fp8 else cache.dtype  # FP8: quantized from the model dtype
     for name, t in (("c_kv", c_kv), ("k_pe", k_pe)):
-        if t.dtype != cache.dtype or t.device != cache.device:
+        if t.dtype != dtype or t.dtype not in SUPPORTED_DTYPES or t.device != cache.device:
             raise KernelConfigError(
                 f"{name} is {t.dtype} on {t.device}, the cache {cache.dtype} on {cache.device}"
             )
@@ -130,7 +195,7 @@ def check_store_latent_args(
         raise KernelConfigError("slot_mapping must be an int32 or int64 tensor")
     if slot_mapping.shape != (c_kv.shape[0],) or slot_mapping.device != cache.device:
         raise KernelConfigError(f"slot_mapping must be [{c_kv.shape[0]}] on {cache.device}")
-    return num_blocks, block_size, c_kv.shape[1]
+    return layout
 
 
 def check_mla_args(
@@ -146,13 +211,19 @@ def check_mla_args(
     """Checks both attention backends share; raises ``KernelConfigError``.
 
     ``q_nope`` [T, H, nope], ``q_pe`` [T, H, rope], ``w_uk`` [H, nope, r], ``w_uv`` [H, v, r],
-    ``out`` [T, H, v] (all in the cache's dtype and on its device)."""
+    ``out`` [T, H, v] (all in the cache's dtype, or the queries' for an FP8 cache, and on its
+    device)."""
     if not isinstance(meta, AttentionMetadata):
         raise KernelConfigError("meta must come from plan_attention")
     if not isinstance(w_uk, torch.Tensor) or w_uk.dim() != 3:
         raise KernelConfigError("w_uk must be a [num_heads, nope_dim, kv_lora_rank] tensor")
     num_heads, nope_dim, r = w_uk.shape
-    num_blocks, block_size, rope_dim = check_latent_cache(cache, r)
+    rope_hint = q_pe.shape[-1] if isinstance(q_pe, torch.Tensor) and q_pe.dim() == 3 else None
+    layout = check_latent_cache(cache, r, rope_hint if cache.dtype == torch.uint8 else None)
+    num_blocks, block_size, rope_dim = layout.num_blocks, layout.block_size, layout.rope_dim
+    dtype = q_nope.dtype if layout.fp8 and isinstance(q_nope, torch.Tensor) else cache.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise KernelConfigError(f"queries must be one of {SUPPORTED_DTYPES}, got {dtype}")
     if not isinstance(w_uv, torch.Tensor) or w_uv.dim() != 3 or w_uv.shape[::2] != (num_heads, r):
         raise KernelConfigError(f"w_uv must be [{num_heads}, v_dim, {r}]")
     v_dim = w_uv.shape[1]
@@ -175,9 +246,9 @@ def check_mla_args(
             raise KernelConfigError(f"{name} must be a torch.Tensor")
         if shape is not None and tuple(t.shape) != shape:
             raise KernelConfigError(f"{name} must be {list(shape)}, got {list(t.shape)}")
-        if t.dtype != cache.dtype or t.device != cache.device:
+        if t.dtype != dtype or t.device != cache.device:
             raise KernelConfigError(
-                f"{name} is {t.dtype} on {t.device}, the cache {cache.dtype} on {cache.device}"
+                f"{name} is {t.dtype} on {t.device}, expected {dtype} on {cache.device}"
             )
         if t.stride(-1) != 1:
             raise KernelConfigError(f"{name} must have a unit-stride last dimension")
@@ -188,11 +259,11 @@ def check_mla_args(
     if out is not None and (
         not isinstance(out, torch.Tensor)
         or tuple(out.shape) != (tokens, num_heads, v_dim)
-        or out.dtype != cache.dtype
+        or out.dtype != dtype
         or out.device != cache.device
     ):
         raise KernelConfigError(f"out must be a [{tokens}, {num_heads}, {v_dim}] tensor")
-    return MLAShape(num_heads, r, rope_dim, nope_dim, v_dim, block_size)
+    return MLAShape(num_heads, r, rope_dim, nope_dim, v_dim, block_size, dtype, layout.fp8)
 
 
 def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,12 @@ import torch.nn.functional as F
 
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.mla_cache import (
+    FP8_DTYPE,
+    FP8_MAX,
     absorb_query,
     check_mla_args,
     check_store_latent_args,
+    fp8_views,
     unabsorb_output,
 )
 from kvcore_kernels.plan import AttentionMetadata
@@ -144,8 +147,10 @@ def expand_pays(shape_r: int, nope: int, v: int, rope: int, q_len: int, key_len:
 def store_latent_torch(
     c_kv: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write ``[c_kv | k_pe]`` rows into their slots (padding slots < block_size skipped)."""
-    num_blocks, block_size, r = check_store_latent_args(c_kv, k_pe, cache, slot_mapping)
+    """Write ``[c_kv | k_pe]`` rows into their slots (padding slots < block_size skipped);
+    into an FP8 cache quantized with the block's scale (``_store_fp8``)."""
+    layout = check_store_latent_args(c_kv, k_pe, cache, slot_mapping)
+    num_blocks, block_size = layout.num_blocks, layout.block_size
     slots = slot_mapping.to(torch.int64)
     if slots.numel() and int(slots.max()) >= num_blocks * block_size:
         raise KernelConfigError(
@@ -154,9 +159,53 @@ def store_latent_torch(
     keep = torch.nonzero(slots >= block_size).squeeze(1)
     if keep.numel() == 0:
         return
-    flat = cache.view(num_blocks * block_size, -1)
     rows = torch.cat((c_kv.index_select(0, keep), k_pe.index_select(0, keep)), dim=1)
-    flat.index_copy_(0, slots[keep], rows)
+    if layout.fp8:
+        store_fp8_rows(rows, slots[keep], cache, block_size)
+        return
+    cache.view(num_blocks * block_size, -1).index_copy_(0, slots[keep], rows)
+
+
+def store_fp8_rows(rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, bs: int) -> None:
+    """Quantize ``rows`` [K, W] into FP8 ``cache`` rows at ``slots`` (all real) in place.
+
+    Per-block scale, amax / 448. A step that writes offset 0 of a block starts the block afresh
+    (blocks fill from offset 0; a block continued past a prefix hit was copied with its scale).
+    Otherwise the scale only grows: when this step's tokens exceed it, the block's earlier codes
+    are re-quantized to the new scale (one more rounding for them, bounded by FP8's step)."""
+    width = rows.shape[1]
+    blocks = torch.div(slots, bs, rounding_mode="floor")
+    offsets = slots - blocks * bs
+    uniq, inv = torch.unique(blocks, return_inverse=True)
+    vals = rows.float()
+    amax = torch.zeros(len(uniq), dtype=torch.float32, device=rows.device)
+    amax.scatter_reduce_(0, inv, vals.abs().amax(dim=1), "amax")
+    fresh = torch.zeros(len(uniq), dtype=torch.bool, device=rows.device)
+    fresh[inv[offsets == 0]] = True
+    block_rows = cache.index_select(0, uniq)  # [U, row_bytes] copy
+    old_scale, codes = fp8_views(block_rows, bs, width)
+    old = torch.where(fresh, torch.zeros_like(old_scale), old_scale)
+    new = torch.maximum(old, amax / FP8_MAX)
+    new = torch.where(new > 0, new, torch.ones_like(new))  # an all-zero block: any scale
+    grown = (new != old) & ~fresh & (old > 0)
+    if bool(grown.any()):
+        ratio = torch.where(grown, old / new, torch.ones_like(new))
+        codes.copy_((codes.float() * ratio[:, None, None]).to(FP8_DTYPE))
+    codes[inv, offsets] = (vals / new[inv, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    old_scale.copy_(new)
+    cache.index_copy_(0, uniq, block_rows)
+
+
+def load_latent_blocks(
+    cache: torch.Tensor, blocks: torch.Tensor, bs: int, width: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The latent rows of ``blocks``: [len(blocks), bs, width] in ``dtype`` (FP8 dequantized).
+
+    The one part that differs between the latent layouts; the rest of the twin is shared."""
+    if cache.dtype != torch.uint8:
+        return cache.view(cache.shape[0], bs * width).index_select(0, blocks).view(-1, bs, width)
+    scales, codes = fp8_views(cache.index_select(0, blocks), bs, width)
+    return codes.to(dtype) * scales.to(dtype)[:, None, None]
 
 
 def mla_attention_torch(
@@ -182,22 +231,20 @@ def mla_attention_torch(
         s.num_heads, s.kv_lora_rank, s.rope_dim, s.nope_dim, s.v_dim, s.block_size,
     )  # fmt: skip
     if out is None:
-        out = torch.empty((meta.num_tokens, h, v), dtype=cache.dtype, device=cache.device)
-    width = r + rope
-    budget = max(
-        1, CHUNK_BYTES_PER_THREAD * torch.get_num_threads() // (width * cache.element_size())
-    )
+        out = torch.empty((meta.num_tokens, h, v), dtype=s.dtype, device=cache.device)
+    width, dtype = r + rope, s.dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    budget = max(1, CHUNK_BYTES_PER_THREAD * torch.get_num_threads() // (width * itemsize))
     key = ("mla_torch", budget)
     chunks = meta.cache.get(key)
     if chunks is None:
         chunks = meta.cache[key] = build_latent_chunks(meta, budget)
     if not cache.is_contiguous():
         raise KernelConfigError("the torch MLA backend needs a contiguous latent cache")
-    flat = cache.view(cache.shape[0], bs * width)  # one row per block
     w_uk_t = w_uv_t = None
     for c in chunks:
         n, qm, kl = c.num_reqs, c.q_max, c.key_len
-        lat = flat.index_select(0, c.blocks).view(n, kl, width)
+        lat = load_latent_blocks(cache, c.blocks, bs, width, dtype).view(n, kl, width)
         if c.pad_rows is not None:
             lat.view(n * kl, width).index_fill_(0, c.pad_rows, 0)
         qn = q_nope.index_select(0, c.q_index)  # [n * q_max, H, nope]
@@ -211,7 +258,7 @@ def mla_attention_torch(
                 w_uk_t = w_uk.reshape(h * nope, r).t()
                 w_uv_t = w_uv.reshape(h * v, r).t()
             lat_c = lat[:, :, :r]
-            k = torch.empty((n, kl, h, nope + rope), dtype=cache.dtype, device=cache.device)
+            k = torch.empty((n, kl, h, nope + rope), dtype=dtype, device=cache.device)
             k[:, :, :, :nope] = torch.matmul(lat_c, w_uk_t).view(n, kl, h, nope)
             k[:, :, :, nope:] = lat[:, :, None, r:]
             vals = torch.matmul(lat_c, w_uv_t).view(n, kl, h, v)
@@ -222,7 +269,7 @@ def mla_attention_torch(
                 q.transpose(1, 2),
                 k.transpose(1, 2),
                 vals.transpose(1, 2),
-                attn_mask=None if c.is_causal else c.additive_mask(cache.dtype, 1),
+                attn_mask=None if c.is_causal else c.additive_mask(dtype, 1),
                 is_causal=c.is_causal,
                 scale=float(scale),
             )  # [n, H, q_max, nope + rope]
@@ -234,7 +281,7 @@ def mla_attention_torch(
                 q,
                 kv,
                 kv,
-                attn_mask=c.additive_mask(cache.dtype, h if qm > 1 else 1),
+                attn_mask=c.additive_mask(dtype, h if qm > 1 else 1),
                 is_causal=False,
                 scale=float(scale),
             )  # [n, 1, q_max * H, width]

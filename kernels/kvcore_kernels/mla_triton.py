@@ -162,7 +162,12 @@ def store_latent_triton(
     c_kv: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Triton ``store_latent`` (same contract as ``store_latent_torch``)."""
-    num_blocks, block_size, r = check_store_latent_args(c_kv, k_pe, cache, slot_mapping)
+    layout = check_store_latent_args(c_kv, k_pe, cache, slot_mapping)
+    if layout.fp8:
+        raise KernelConfigError(
+            "the Triton MLA kernels do not read FP8 latents yet: backend='torch'"
+        )
+    num_blocks, block_size, r = layout.num_blocks, layout.block_size, c_kv.shape[1]
     check_triton_device(cache, _store_latent_kernel)
     if slot_mapping.numel() and int(slot_mapping.max()) >= num_blocks * block_size:
         raise KernelConfigError(f"a slot is past the cache's {num_blocks * block_size} slots")
@@ -215,6 +220,10 @@ def mla_attention_triton(
 ) -> torch.Tensor:
     """Triton ``mla_attention`` (absorbed form for every request); returns [T, H, v_dim]."""
     s = check_mla_args(q_nope, q_pe, cache, meta, w_uk, w_uv, scale, out)
+    if s.fp8:
+        raise KernelConfigError(
+            "the Triton MLA kernels do not read FP8 latents yet: backend='torch'"
+        )
     check_triton_device(cache, _mla_decode_kernel)
     h, r, rope = s.num_heads, s.kv_lora_rank, s.rope_dim
     if out is None:

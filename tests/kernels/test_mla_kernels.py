@@ -73,7 +73,7 @@ def reference(step, lats, scale):
 
 def _run(fn, step, **kw):
     heads, v, _ = step["w_uv"].shape
-    out = torch.full((step["meta"].num_tokens, heads, v), float("nan"), dtype=step["cache"].dtype)
+    out = torch.full((step["meta"].num_tokens, heads, v), float("nan"), dtype=step["q_nope"].dtype)
     res = fn(**step, scale=0.3, out=out, **kw)
     assert res is out
     return out
@@ -164,3 +164,44 @@ def test_bad_input(gen):
     with pytest.raises(KernelConfigError, match="kv_lora_rank"):
         kk.allocate_latent_cache(4, 16, 0, 64, torch.float32, "cpu")
     assert kk.latent_bytes_per_token(512, 64, torch.bfloat16) == 1152
+
+
+@pytest.mark.parametrize("case", ["mixed", "decode"])
+def test_fp8_latent_store_and_attention(gen, case):
+    from kvcore_kernels.mla_cache import FP8_MAX, fp8_row_bytes, fp8_views
+
+    step, lats = make_step(gen, CASES[case], **DIMS)
+    meta, bs = step["meta"], step["meta"].block_size
+    r, rope = DIMS["r"], DIMS["rope"]
+    width = r + rope
+    cache = kk.allocate_latent_fp8_cache(step["cache"].shape[0], bs, r, rope, "cpu")
+    assert cache.dtype == torch.uint8 and cache.shape[1] == fp8_row_bytes(bs, width)
+    cache.fill_(0x7F)  # every code NaN and a garbage scale: whatever is not written must not leak
+    table = meta.host_block_table
+    # Write each request's latents in two steps, the second 4x larger: its blocks' scales grow
+    # and their earlier codes are re-quantized.
+    for i, lat in enumerate(lats):
+        pos = torch.arange(lat.shape[0])
+        slots = torch.from_numpy(table[i])[pos // bs].long() * bs + pos % bs
+        half = lat.shape[0] // 2
+        lat[half:] *= 4
+        for lo, hi in ((0, half), (half, lat.shape[0])):
+            if hi > lo:
+                kk.store_latent(lat[lo:hi, :r], lat[lo:hi, r:], cache, slots[lo:hi])
+    scales, codes = fp8_views(cache, bs, width)
+    deq = codes.double() * scales.double()[:, None, None]
+    stored = []
+    for i, lat in enumerate(lats):
+        pos = torch.arange(lat.shape[0])
+        blocks = torch.from_numpy(table[i])[pos // bs].long()
+        got = deq[blocks, pos % bs]
+        amax = scales.double()[blocks] * FP8_MAX  # each block's scale covers its largest value
+        assert (lat.double().abs().amax(1) <= amax * (1 + 1e-6)).all()
+        assert ((got - lat.double()).abs() <= amax[:, None] / 8).all()  # FP8: 3 mantissa bits
+        assert (got - lat.double()).abs().mean() / lat.double().abs().mean() < 0.06
+        stored.append(got)
+    fp8_step = {**step, "cache": cache}
+    out = _run(kk.mla_attention, fp8_step)
+    torch.testing.assert_close(out.double(), reference(step, stored, 0.3), atol=3e-5, rtol=3e-5)
+    with pytest.raises(KernelConfigError, match="FP8"):
+        kk.mla_attention_torch(**{**fp8_step, "q_pe": step["q_pe"][:, :, :4]}, scale=0.3)
