@@ -156,3 +156,27 @@ def test_unsupported_features_fail_at_load_by_name():
         LLM(ok, num_blocks=16, kv_format="int8")
     with pytest.raises(InvalidArgumentError, match="model dtype"):
         LLM(ok, num_blocks=16, kv_format="float16")
+
+
+def test_fp8_latent_serves_with_exact_allocation(model):
+    from kvcore_kernels.mla_cache import fp8_row_bytes
+
+    cfg = model.config
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    prompts = _prompts([20, 25, 30, 18, 22], seed=4)
+    ref = _llm(model).generate(prompts, _greedy(12), use_tqdm=False)
+    # Small pool (preemption) and a 24-token budget (chunked prefill) on FP8 latents.
+    llm = _llm(model, kv_format="fp8_e4m3", num_blocks=25, max_num_batched_tokens=24)
+    runner = llm.engine.runner
+    for cache in runner.kv_caches:  # codes + one float32 scale per block, nothing else
+        assert cache.dtype == torch.uint8
+        assert cache.untyped_storage().nbytes() == runner.num_blocks * fp8_row_bytes(4, width)
+    assert fp8_row_bytes(4, width) == 4 * width + 4
+    outs = llm.generate(prompts, _greedy(12), use_tqdm=False)
+    assert llm.engine.scheduler.stats().num_preemptions > 0
+    _check(llm)
+    # Lossy: FP8 may flip a near-tie, but most greedy continuations stay the model dtype's.
+    got = [o.outputs[0].token_ids for o in outs]
+    want = [o.outputs[0].token_ids for o in ref]
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert sum(g == w for g, w in zip(got, want, strict=True)) >= 2

@@ -34,6 +34,8 @@ def store_latent(
     Slots in the null block and negative slots (padding) are skipped."""
     if not isinstance(cache, torch.Tensor):
         raise KernelConfigError(f"latent cache must be a torch.Tensor, got {type(cache).__name__}")
+    if backend == "auto" and cache.dtype == torch.uint8:
+        backend = "torch"  # FP8 latents: the Triton kernels do not write them yet
     if check_backend(backend, cache.device) == "triton":
         from kvcore_kernels.mla_triton import store_latent_triton
 
@@ -63,6 +65,8 @@ def mla_attention(
     that is cheaper (see ``mla_torch``). Raises ``KernelConfigError`` on bad input."""
     if not isinstance(cache, torch.Tensor):
         raise KernelConfigError(f"latent cache must be a torch.Tensor, got {type(cache).__name__}")
+    if backend == "auto" and cache.dtype == torch.uint8:
+        backend = "torch"  # FP8 latents: the Triton kernels do not read them yet
     if check_backend(backend, cache.device) == "triton":
         from kvcore_kernels.mla_triton import mla_attention_triton as run
     else:

@@ -31,6 +31,7 @@ from typing import Any
 import kvcore_kernels
 import torch
 from kvcore_kernels.errors import KernelConfigError
+from kvcore_kernels.mla_cache import fp8_row_bytes
 
 from kvcore.attention import CTX_KWARG, AttentionContext
 from kvcore.errors import InvalidArgumentError
@@ -39,6 +40,7 @@ MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3"})
 # RoPE variants whose frequencies depend on the longest position of the forward's batch: with
 # every request packed into one row they would differ from a request run alone.
 _SEQ_DEPENDENT_ROPE = ("dynamic", "longrope")
+LATENT_FORMATS = ("auto", "float32", "float16", "bfloat16", "fp8_e4m3")
 _PROJECTIONS = (
     "q_proj",
     "q_a_proj",
@@ -75,17 +77,22 @@ def check_mla_config(config: Any, kv_formats: list[str] | None = None) -> None:
     if int(config.qk_rope_head_dim) % 2:
         raise InvalidArgumentError("MLA model: an odd qk_rope_head_dim is not supported")
     for name in kv_formats or []:
-        if name not in ("auto", "float32", "float16", "bfloat16"):
+        if name not in LATENT_FORMATS:
             raise InvalidArgumentError(
-                f"MLA model: kv_format {name!r} is not supported on the latent cache yet "
-                "(it is stored in the model dtype: use kv_format 'auto')"
+                f"MLA model: kv_format {name!r} is not supported on the latent cache "
+                f"(supported: {', '.join(LATENT_FORMATS)}; fp8_e4m3 = FP8 with a per-block scale)"
             )
 
 
-def latent_bytes_per_block(config: Any, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block of latent cache takes over all layers."""
+def latent_bytes_per_block(
+    config: Any, block_size: int, dtype: torch.dtype, formats: list[str] | None = None
+) -> int:
+    """Bytes one block of latent cache takes over all layers (an ``fp8_e4m3`` layer: its FP8
+    codes and the block's float32 scale)."""
     num_layers, r, rope = latent_dims(config)
-    return num_layers * block_size * kvcore_kernels.latent_bytes_per_token(r, rope, dtype)
+    plain = block_size * kvcore_kernels.latent_bytes_per_token(r, rope, dtype)
+    fp8 = fp8_row_bytes(block_size, r + rope)
+    return sum(fp8 if f == "fp8_e4m3" else plain for f in formats or ["auto"] * num_layers)
 
 
 def mha_equivalent_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
@@ -97,13 +104,20 @@ def mha_equivalent_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
 
 
 def allocate_latent_caches(
-    config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    config: Any,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    formats: list[str] | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed latent cache per layer."""
+    """One zeroed latent cache per layer (uint8 FP8 rows for an ``fp8_e4m3`` layer)."""
     num_layers, r, rope = latent_dims(config)
     return [
-        kvcore_kernels.allocate_latent_cache(num_blocks, block_size, r, rope, dtype, device)
-        for _ in range(num_layers)
+        kvcore_kernels.allocate_latent_fp8_cache(num_blocks, block_size, r, rope, device)
+        if f == "fp8_e4m3"
+        else kvcore_kernels.allocate_latent_cache(num_blocks, block_size, r, rope, dtype, device)
+        for f in formats or ["auto"] * num_layers
     ]
 
 

@@ -60,7 +60,7 @@ def kv_bytes_per_block(
     the format's block row (codes and scales) for quantized ones; an MLA model's latent rows."""
     if is_mla_config(config):  # c_kv + k_pe per token and layer (kvcore.mla)
         check_mla_config(config, formats)
-        return latent_bytes_per_block(config, block_size, dtype)
+        return latent_bytes_per_block(config, block_size, dtype, formats)
     num_layers, num_kv_heads, head_dim = kv_geometry(config)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     plain = 2 * block_size * num_kv_heads * head_dim * itemsize
@@ -132,8 +132,9 @@ class ModelRunner:
             check_mla_config(model.config, self.kv_formats)
             check_runner_args(model.config, self.kv_dtype, model.dtype)
             self.kv_caches = allocate_latent_caches(
-                model.config, num_blocks, block_size, self.kv_dtype, self.device
+                model.config, num_blocks, block_size, self.kv_dtype, self.device, self.kv_formats
             )
+            self.quantized = False  # FP8 latent rows are plain tensors: copy ops copy rows
             install_mla(model)
         elif self.quantized:
             # Every check (format vs head dim, dtype, device) runs before any allocation.
