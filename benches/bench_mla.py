@@ -3,8 +3,9 @@
 Model: ``kvcore.mla.TINY_DEEPSEEK_CONFIG`` (DeepSeek-V3-shaped by default, ``--version v2``:
 hidden 512, 6 layers of which 5 MoE (16 routed experts, top 2, one shared), 8 heads,
 q_lora_rank 192, kv_lora_rank 128, qk_rope 32, qk_nope 64, v_head 64, vocab 32000, fp32, weights
-seeded by ``--seed``). Workload: ``--batch`` (32) random prompts of ``--prompt-len`` (128) tokens
-(seeded), ``--new-tokens`` (64) greedy tokens each, EOS ignored.
+seeded by ``--seed``; ``--kv-format fp8_e4m3``: FP8 latents with a per-block scale).
+Workload: ``--batch`` (32) random prompts of ``--prompt-len`` (128) tokens (seeded),
+``--new-tokens`` (64) greedy tokens each, EOS ignored.
 
 * bytes per token: read from the engine's allocation (latent caches' bytes / slots), beside the
   same model caching per-head K and V (``heads * (qk_nope + qk_rope + v_head)`` values per layer).
@@ -116,6 +117,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-format", default="auto", choices=["auto", "fp8_e4m3"], help="latent")
+    p.add_argument("--no-prefill-forms", action="store_true", help="skip the prefill timings")
     args = p.parse_args()
     if _kvcore.DEBUG_BUILD:
         raise SystemExit("refusing to benchmark a debug build: pip install -e . (release profile)")
@@ -134,6 +137,7 @@ def main() -> None:
         max_num_seqs=args.batch,
         max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
         prefix_caching="off",
+        kv_format=args.kv_format,
         seed=args.seed,
     )
     runner = llm.engine.runner
@@ -167,6 +171,8 @@ def main() -> None:
     print(f"ratio_vs_hf: {kv_rate / hf_rate:.2f} x")
     print(f"kvcore_decode_s: {kv_s:.2f} s")
     print(f"hf_decode_s: {hf_full - hf_prefill:.2f} s")
+    if args.no_prefill_forms:
+        return
     # Which form pays for a long prefill chunk (one layer's MLA op, median of 7).
     for name, ms in prefill_forms(cfg, (32, 128, 512, 2048), model.dtype).items():
         print(f"{name}: {ms:.2f} ms")
