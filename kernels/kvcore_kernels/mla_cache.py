@@ -16,6 +16,15 @@ Bytes per token per layer: ``(kv_lora_rank + rope_dim) * itemsize`` (DeepSeek-V3
 576 * 2 = 1,152 bytes, where caching the up-projected K and V of its 128 heads would take
 128 * (192 + 128) * 2 = 81,920). Block 0 is the null block, as in the plain layout.
 
+FP8 variant (``allocate_latent_fp8_cache``): one uint8 row per block, so copy-on-write and
+preemption copy whole rows exactly like the plain layout::
+
+    latent_fp8_cache: uint8 [num_blocks, fp8_row_bytes(block_size, width)]
+                      row = [ scale (float32) | codes float8_e4m3fn [block_size, width] | pad ]
+    value = code * scale[block]          scale = max |value| in the block / 448
+
+``width + 4 / block_size`` bytes per token per layer (DeepSeek-V3: 576.25).
+
 The attention both backends compute, for query token ``t`` (position ``p``) and head ``h``
 (``W_uk[h]``: [qk_nope, r] and ``W_uv[h]``: [v_dim, r] are the per-head slices of
 ``kv_b_proj``)::
