@@ -48,7 +48,7 @@ def test_mha_mqa_mla_and_aliases():
     )  # fmt: skip
     _, rows = plan_capacity(mla, "80GiB", formats=["auto", "fp8_e4m3"], context_len=1024)
     assert _row(rows, "auto").bytes_per_token == 61 * 576 * 2  # one latent, not K and V
-    assert _row(rows, "fp8_e4m3").bytes_per_token == 61 * 576
+    assert _row(rows, "fp8_e4m3").bytes_per_token == 61 * (576 + 4 / 16)  # + a block scale
     with pytest.raises(InvalidArgumentError, match="MLA"):
         plan_capacity(mla, "1GiB", formats=["kivi2"])
 

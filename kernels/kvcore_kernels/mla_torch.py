@@ -38,6 +38,9 @@ from kvcore_kernels.plan import AttentionMetadata
 
 # Gathered latent bytes per chunk and thread (as in the plain twin: the chunk stays in cache).
 CHUNK_BYTES_PER_THREAD = 4 << 20
+# The expanded form builds per-head K and V for a chunk's keys; past this many values (256 MiB
+# in fp32) the chunk stays absorbed, whatever it would save.
+MAX_EXPANDED_VALUES = 1 << 26
 
 
 @dataclass(eq=False)
@@ -250,7 +253,11 @@ def mla_attention_torch(
         qn = q_nope.index_select(0, c.q_index)  # [n * q_max, H, nope]
         qp = q_pe.index_select(0, c.q_index)
         if force is None:  # decode is always absorbed: one query never pays for an up-projection
-            expand = qm > 1 and expand_pays(r, nope, v, rope, qm, kl)
+            expand = (
+                qm > 1
+                and n * kl * h * (nope + rope + v) <= MAX_EXPANDED_VALUES
+                and expand_pays(r, nope, v, rope, qm, kl)
+            )
         else:
             expand = force == "expanded"
         if expand:

@@ -176,6 +176,10 @@ def layer_bytes_per_token(geom: Geometry, fmt: str, block_size: int) -> float:
     if not f.quantized:
         return layer_bytes_per_token(geom, _dtype_name(geom.dtype), block_size)
     if geom.mla_dim:
+        if fmt == "fp8_e4m3":  # kvcore's FP8 latent: codes + one float32 scale per block
+            from kvcore_kernels.mla_cache import fp8_row_bytes
+
+            return fp8_row_bytes(block_size, geom.mla_dim) / block_size
         if f.kind == "kivi":
             raise InvalidArgumentError(f"{fmt}: KIVI does not apply to MLA latents")
         check_format(f, head_dim=geom.mla_dim, dtype=geom.dtype, block_size=block_size)
