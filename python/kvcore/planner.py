@@ -8,8 +8,10 @@ scales, zero points and padding are counted exactly as allocated. Per layer::
     model dtype ("auto", "float16", ...): 2 * kv_heads * head_dim * itemsize
 
 MHA, GQA and MQA differ only in ``kv_heads``. MLA (``kv_lora_rank``) caches one latent of
-``kv_lora_rank + qk_rope_head_dim`` per token and layer instead of K and V (a per-token format
-is applied to it as one head; KIVI does not apply). Sliding-window layers: kvcore shares one
+``kv_lora_rank + qk_rope_head_dim`` per token and layer instead of K and V, shown beside its
+MHA-equivalent (per-head K and V); ``fp8_e4m3`` is kvcore's FP8 latent (one float32 scale per
+block), other per-token formats are applied to it as one head (projections: the engine serves
+the model dtype and ``fp8_e4m3``); KIVI does not apply. Sliding-window layers: kvcore shares one
 block table across layers, so they hold every token like the others (``bytes_per_token``); the
 ``requests_windowed`` figure is what an allocator that drops blocks behind the window would fit.
 KIVI keeps ``1 + kivi_window`` model-dtype residual blocks per request and layer, counted per
