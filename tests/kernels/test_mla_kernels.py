@@ -119,6 +119,15 @@ def test_triton_vs_twin_and_reference(gen, case, heads):
     torch.testing.assert_close(tri, twin, atol=3e-5, rtol=3e-5)
 
 
+@needs_triton
+def test_triton_bf16(gen):
+    from kvcore_kernels import mla_attention_triton
+
+    step, lats = make_step(gen, CASES["mixed"], dtype=torch.bfloat16, **DIMS)
+    tri = _run(mla_attention_triton, step)
+    torch.testing.assert_close(tri.double(), reference(step, lats, 0.3), atol=5e-2, rtol=5e-2)
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_store_latent(gen, backend):
     r, rope, bs = 12, 4, 4
