@@ -197,7 +197,8 @@ def main() -> None:
     hf_rate = hf_tokens / max(1e-9, hf_full - hf_prefill)
     equal = sum(a == b for a, b in zip(kv_out, hf_out, strict=True)) / args.batch
     print(
-        f"model: tiny deepseek_{args.version} (seed {args.seed}, {torch.get_num_threads()} threads)"
+        f"model: tiny deepseek_{args.version} (seed {args.seed}, "
+        f"{torch.get_num_threads()} threads, latent {args.kv_format})"
     )
     print(f"bytes_per_token_mla: {mla_bytes:.1f} bytes")
     print(f"bytes_per_token_mha_equivalent: {mha_bytes:.1f} bytes")
