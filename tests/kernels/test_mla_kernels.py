@@ -24,7 +24,9 @@ DIMS = dict(heads=4, r=32, rope=16, nope=16, v=24)  # v != nope + rope on purpos
 TOL = {torch.float32: 3e-5, torch.bfloat16: 4e-2}
 
 
-def make_step(gen, reqs, *, block_size=8, dtype=torch.float32, heads, r, rope, nope, v):
+def make_step(
+    gen, reqs, *, block_size=8, dtype=torch.float32, heads, r, rope, nope, v, device="cpu"
+):
     """A random step: latents shuffled over the pool (free slots NaN), queries, weights."""
     seq_lens = [c + q for c, q in reqs]
     need = [-(-s // block_size) for s in seq_lens]
@@ -47,15 +49,17 @@ def make_step(gen, reqs, *, block_size=8, dtype=torch.float32, heads, r, rope, n
     q_pe = torch.randn(t, heads, rope, generator=gen).to(dtype)
     w_uk = (torch.randn(heads, nope, r, generator=gen) * r**-0.5).to(dtype)
     w_uv = (torch.randn(heads, v, r, generator=gen) * r**-0.5).to(dtype)
-    meta = kk.plan_attention(qsl, torch.tensor(seq_lens, dtype=torch.int32), table, block_size)
-    return dict(q_nope=q_nope, q_pe=q_pe, cache=cache, meta=meta, w_uk=w_uk, w_uv=w_uv), lats
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    meta = kk.plan_attention(qsl, lens, table, block_size, device=device)
+    step = dict(q_nope=q_nope, q_pe=q_pe, cache=cache, w_uk=w_uk, w_uv=w_uv)
+    return {**{k: t.to(device) for k, t in step.items()}, "meta": meta}, lats
 
 
 def reference(step, lats, scale):
     """float64: per request, up-project every key's latent to per-head K, V; causal softmax."""
-    w_uk, w_uv = step["w_uk"].double(), step["w_uv"].double()
+    w_uk, w_uv = step["w_uk"].cpu().double(), step["w_uv"].cpu().double()
     r = w_uk.shape[2]
-    qn, qp = step["q_nope"].double(), step["q_pe"].double()
+    qn, qp = step["q_nope"].cpu().double(), step["q_pe"].cpu().double()
     out = torch.empty(qn.shape[0], qn.shape[1], w_uv.shape[1], dtype=torch.float64)
     qsl = step["meta"].host_query_start_loc
     for i, lat in enumerate(lats):
@@ -73,7 +77,12 @@ def reference(step, lats, scale):
 
 def _run(fn, step, **kw):
     heads, v, _ = step["w_uv"].shape
-    out = torch.full((step["meta"].num_tokens, heads, v), float("nan"), dtype=step["q_nope"].dtype)
+    out = torch.full(
+        (step["meta"].num_tokens, heads, v),
+        float("nan"),
+        dtype=step["q_nope"].dtype,
+        device=step["cache"].device,
+    )
     res = fn(**step, scale=0.3, out=out, **kw)
     assert res is out
     return out
@@ -103,6 +112,8 @@ def _triton_ok() -> bool:
 
 
 needs_triton = pytest.mark.skipif(not _triton_ok(), reason="no CUDA and no Triton interpreter")
+# Where the Triton kernels run: CUDA when present, else CPU tensors under the interpreter.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @needs_triton
@@ -112,10 +123,11 @@ def test_triton_vs_twin_and_reference(gen, case, heads):
     from kvcore_kernels import mla_attention_triton
 
     dims = {**DIMS, "heads": heads}
-    step, lats = make_step(gen, CASES[case], **dims)
+    step, lats = make_step(gen, CASES[case], device=TRITON_DEVICE, **dims)
     tri = _run(mla_attention_triton, step)
     twin = _run(kk.mla_attention_torch, step)
-    torch.testing.assert_close(tri.double(), reference(step, lats, 0.3), atol=3e-5, rtol=3e-5)
+    ref = reference(step, lats, 0.3)
+    torch.testing.assert_close(tri.cpu().double(), ref, atol=3e-5, rtol=3e-5)
     torch.testing.assert_close(tri, twin, atol=3e-5, rtol=3e-5)
 
 
@@ -123,19 +135,21 @@ def test_triton_vs_twin_and_reference(gen, case, heads):
 def test_triton_bf16(gen):
     from kvcore_kernels import mla_attention_triton
 
-    step, lats = make_step(gen, CASES["mixed"], dtype=torch.bfloat16, **DIMS)
+    step, lats = make_step(gen, CASES["mixed"], dtype=torch.bfloat16, device=TRITON_DEVICE, **DIMS)
     tri = _run(mla_attention_triton, step)
-    torch.testing.assert_close(tri.double(), reference(step, lats, 0.3), atol=5e-2, rtol=5e-2)
+    ref = reference(step, lats, 0.3)
+    torch.testing.assert_close(tri.cpu().double(), ref, atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_store_latent(gen, backend):
     r, rope, bs = 12, 4, 4
-    cache = kk.allocate_latent_cache(6, bs, r, rope, torch.float32, "cpu")
+    dev = TRITON_DEVICE if backend == "triton" else "cpu"
+    cache = kk.allocate_latent_cache(6, bs, r, rope, torch.float32, dev)
     assert cache.shape == (6, bs, r + rope) and cache.element_size() * cache[0, 0].numel() == 64
-    c_kv = torch.randn(5, r, generator=gen)
-    k_pe = torch.randn(5, rope, generator=gen)
-    slots = torch.tensor([5, 23, 2, -1, 9])  # 2: null block, -1: padding
+    c_kv = torch.randn(5, r, generator=gen).to(dev)
+    k_pe = torch.randn(5, rope, generator=gen).to(dev)
+    slots = torch.tensor([5, 23, 2, -1, 9], device=dev)  # 2: null block, -1: padding
     store = kk.store_latent_torch if backend == "torch" else kk.store_latent_triton
     store(c_kv, k_pe, cache, slots)
     flat = cache.view(-1, r + rope)
@@ -145,7 +159,7 @@ def test_store_latent(gen, backend):
     assert flat[:bs].abs().sum() == 0  # the null block is never written
     before = cache.clone()
     with pytest.raises(KernelConfigError, match="past"):
-        store(c_kv, k_pe, cache, torch.tensor([5, 23, 2, -1, 24]))
+        store(c_kv, k_pe, cache, torch.tensor([5, 23, 2, -1, 24], device=dev))
     with pytest.raises(KernelConfigError, match="k_pe"):
         store(c_kv, k_pe[:, :3], cache, slots)
     assert torch.equal(cache, before)
@@ -214,3 +228,19 @@ def test_fp8_latent_store_and_attention(gen, case):
     torch.testing.assert_close(out.double(), reference(step, stored, 0.3), atol=3e-5, rtol=3e-5)
     with pytest.raises(KernelConfigError, match="FP8"):
         kk.mla_attention_torch(**{**fp8_step, "q_pe": step["q_pe"][:, :, :4]}, scale=0.3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_deepseek_dims(gen, dtype):
+    """On a GPU: DeepSeek-V3's latent (r 512, rope 64), 16 heads, long decodes and a prefill."""
+    from kvcore_kernels import mla_attention_triton
+
+    dims = dict(heads=16, r=512, rope=64, nope=128, v=128)
+    reqs = [(1000, 1), (333, 1), (2047, 1), (0, 300), (700, 50)]
+    step, lats = make_step(gen, reqs, block_size=16, dtype=dtype, device="cuda", **dims)
+    tri = _run(mla_attention_triton, step)
+    twin = _run(kk.mla_attention_torch, step)
+    ref = reference(step, lats, 0.3)
+    torch.testing.assert_close(tri.cpu().double(), ref, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(tri.float(), twin.float(), atol=3e-2, rtol=3e-2)
