@@ -242,5 +242,6 @@ def test_cuda_deepseek_dims(gen, dtype):
     tri = _run(mla_attention_triton, step)
     twin = _run(kk.mla_attention_torch, step)
     ref = reference(step, lats, 0.3)
-    torch.testing.assert_close(tri.cpu().double(), ref, atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(tri.float(), twin.float(), atol=3e-2, rtol=3e-2)
+    tol = 6e-2 if dtype == torch.bfloat16 else 2e-2
+    torch.testing.assert_close(tri.cpu().double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(tri.float(), twin.float(), atol=tol, rtol=tol)
