@@ -180,3 +180,21 @@ def test_fp8_latent_serves_with_exact_allocation(model):
     want = [o.outputs[0].token_ids for o in ref]
     assert [g[0] for g in got] == [w[0] for w in want]
     assert sum(g == w for g, w in zip(got, want, strict=True)) >= 2
+
+
+def test_yarn_mscale_and_plain_rope_layout_match_generate():
+    # YaRN with mscale_all_dim: transformers folds mscale^2 into the softmax scale and an
+    # attention factor into cos/sin; V3 without rope_interleave rotates halves, not pairs.
+    rope = dict(
+        rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=128,
+        mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+    )  # fmt: skip
+    m = tiny_deepseek(
+        "v3", seed=9, **{**SMALL, "num_hidden_layers": 2}, q_lora_rank=48,
+        rope_parameters=rope, rope_interleave=False,
+    )  # fmt: skip
+    assert m.model.layers[0].self_attn.scaling != (16 + 8) ** -0.5  # mscale applied
+    prompts = _prompts([40, 7, 150], seed=6)
+    outs = _llm(m, max_num_batched_tokens=32).generate(prompts, _greedy(10), use_tqdm=False)
+    for o, p in zip(outs, prompts, strict=True):
+        assert o.outputs[0].token_ids == _hf_greedy(m, p, 10)
