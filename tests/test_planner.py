@@ -48,7 +48,7 @@ def test_mha_mqa_mla_and_aliases():
     )  # fmt: skip
     _, rows = plan_capacity(mla, "80GiB", formats=["auto", "fp8_e4m3"], context_len=1024)
     assert _row(rows, "auto").bytes_per_token == 61 * 576 * 2  # one latent, not K and V
-    assert _row(rows, "fp8_e4m3").bytes_per_token == 61 * 576
+    assert _row(rows, "fp8_e4m3").bytes_per_token == 61 * (576 + 4 / 16)  # + a block scale
     with pytest.raises(InvalidArgumentError, match="MLA"):
         plan_capacity(mla, "1GiB", formats=["kivi2"])
 
@@ -112,3 +112,24 @@ def test_auto_format_follows_the_config_dtype():
     _, rows = plan_capacity({**SMOLLM2, "torch_dtype": "float32"}, "1GiB", formats=["auto"])
     assert rows[0].ratio_vs_fp16 == 2.0
     assert torch.float32 == geometry({**SMOLLM2, "torch_dtype": "float32"}).dtype
+
+
+def test_mla_beside_its_mha_equivalent(tmp_path, capsys):
+    from kvcore.planner import format_table, mha_equivalent_bytes_per_token
+
+    v3 = dict(
+        model_type="deepseek_v3", num_hidden_layers=61, num_attention_heads=128,
+        num_key_value_heads=128, hidden_size=7168, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, head_dim=64, torch_dtype="bfloat16",
+    )  # fmt: skip
+    geom, rows = plan_capacity(v3, "80GiB", formats=["auto"], context_len=4096)
+    assert geom.mla_dim == 576 and geom.mha_equivalent_dim == 128 * (128 + 64 + 128)
+    assert _row(rows, "auto").bytes_per_token == 61 * 576 * 2
+    assert mha_equivalent_bytes_per_token(geom) == 61 * 40960 * 2
+    assert "MHA-equivalent" in format_table(geom, rows, 80 << 30) and "71.1x" in format_table(
+        geom, rows, 80 << 30
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(v3))
+    assert plan_main(["--config", str(path), "--memory", "80GiB", "--formats", "auto"]) == 0
+    assert "576 values per layer per token" in capsys.readouterr().out

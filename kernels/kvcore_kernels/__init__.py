@@ -9,12 +9,23 @@ Per step: ``store_kv`` writes the new tokens' K/V; ``plan_attention`` builds the
 layer shares; per layer ``paged_attention`` runs. ``backend="auto"`` picks Triton on CUDA and the
 torch twin elsewhere; ``*_torch`` / ``*_triton`` name one explicitly (same signatures; the
 Triton ones import triton on first access, so this package imports without it).
+
+DeepSeek-style MLA caches one latent per token (``mla_cache``: ``[num_blocks, block_size,
+kv_lora_rank + rope_dim]``): ``store_latent`` writes it, ``mla_attention`` attends over it
+(absorbed form), with the same per-step ``plan_attention`` metadata.
 """
 
 from kvcore_kernels.attention import paged_attention
 from kvcore_kernels.attention_torch import paged_attention_torch
 from kvcore_kernels.cache import NULL_BLOCK, allocate_kv_cache
 from kvcore_kernels.errors import KernelConfigError
+from kvcore_kernels.mla import mla_attention, store_latent
+from kvcore_kernels.mla_cache import (
+    allocate_latent_cache,
+    allocate_latent_fp8_cache,
+    latent_bytes_per_token,
+)
+from kvcore_kernels.mla_torch import mla_attention_torch, store_latent_torch
 from kvcore_kernels.plan import AttentionMetadata, plan_attention
 from kvcore_kernels.store import store_kv, store_kv_torch
 
@@ -23,6 +34,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "paged_attention_triton": "kvcore_kernels.attention_triton",
     "store_kv_triton": "kvcore_kernels.store_triton",
+    "mla_attention_triton": "kvcore_kernels.mla_triton",
+    "store_latent_triton": "kvcore_kernels.mla_triton",
 }
 
 
@@ -40,6 +53,12 @@ __all__ = [
     "AttentionMetadata",
     "KernelConfigError",
     "allocate_kv_cache",
+    "allocate_latent_cache",
+    "allocate_latent_fp8_cache",
+    "latent_bytes_per_token",
+    "mla_attention",
+    "mla_attention_torch",
+    "mla_attention_triton",
     "paged_attention",
     "paged_attention_torch",
     "paged_attention_triton",
@@ -47,4 +66,7 @@ __all__ = [
     "store_kv",
     "store_kv_torch",
     "store_kv_triton",
+    "store_latent",
+    "store_latent_torch",
+    "store_latent_triton",
 ]

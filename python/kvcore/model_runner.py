@@ -12,6 +12,9 @@ Per step:
    backend, which does ``store_kv`` + ``paged_attention`` per layer. ``logits_to_keep`` limits
    the LM head to the rows that are sampled (the last token of each request that samples).
 
+MLA models (DeepSeek-V2/V3): per layer one latent cache ``[num_blocks, block_size, kv_lora_rank +
+qk_rope_head_dim]`` and kvcore's own attention modules (``kvcore.mla``).
+
 Cache layout (kvcore_kernels): per layer ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
 in the model dtype, or, for a quantized ``kv_format``, a ``kvcore_kernels.quant.QuantKVCache``
 (one uint8 row per block holding codes and scales; KIVI layers add a model-dtype residual pool
@@ -32,6 +35,14 @@ from kvcore_kernels.quant import get_format as get_kv_format
 
 from kvcore.attention import BACKEND_NAME, CTX_KWARG, AttentionContext, use_kvcore_attention
 from kvcore.errors import InvalidArgumentError
+from kvcore.mla import (
+    allocate_latent_caches,
+    check_mla_config,
+    check_runner_args,
+    install_mla,
+    is_mla_config,
+    latent_bytes_per_block,
+)
 
 
 def kv_geometry(config: Any) -> tuple[int, int, int]:
@@ -46,7 +57,10 @@ def kv_bytes_per_block(
     config: Any, block_size: int, dtype: torch.dtype, formats: list[str] | None = None
 ) -> int:
     """Bytes one block of KV takes over all layers (K and V): ``dtype`` for model-dtype layers,
-    the format's block row (codes and scales) for quantized ones."""
+    the format's block row (codes and scales) for quantized ones; an MLA model's latent rows."""
+    if is_mla_config(config):  # c_kv + k_pe per token and layer (kvcore.mla)
+        check_mla_config(config, formats)
+        return latent_bytes_per_block(config, block_size, dtype, formats)
     num_layers, num_kv_heads, head_dim = kv_geometry(config)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     plain = 2 * block_size * num_kv_heads * head_dim * itemsize
@@ -113,7 +127,16 @@ class ModelRunner:
         self.kv_formats = kv_formats or ["auto"] * num_layers
         self.quantized = any(get_kv_format(name).quantized for name in self.kv_formats)
         self.kv_caches: list[Any]
-        if self.quantized:
+        self.mla = is_mla_config(model.config)
+        if self.mla:  # DeepSeek MLA: latent caches and kvcore's MLA attention modules
+            check_mla_config(model.config, self.kv_formats)
+            check_runner_args(model.config, self.kv_dtype, model.dtype)
+            self.kv_caches = allocate_latent_caches(
+                model.config, num_blocks, block_size, self.kv_dtype, self.device, self.kv_formats
+            )
+            self.quantized = False  # FP8 latent rows are plain tensors: copy ops copy rows
+            install_mla(model)
+        elif self.quantized:
             # Every check (format vs head dim, dtype, device) runs before any allocation.
             self.kv_caches = allocate_kv_caches(
                 self.kv_formats,

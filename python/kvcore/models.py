@@ -39,7 +39,10 @@ from kvcore.errors import InvalidArgumentError
 
 # Llama-family decoders checked against transformers 5.24: attention via ALL_ATTENTION_FUNCTIONS,
 # RoPE from position_ids, a mask built by create_causal_mask / create_sliding_window_causal_mask.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# DeepSeek-V2/V3 (MLA) run on kvcore's latent cache with its own attention modules (kvcore.mla).
+SUPPORTED_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"}
+)
 
 SMOLLM2_NAME = "smollm2-135m"
 TINY_LLAMA_NAME = "tiny-llama"
@@ -187,6 +190,10 @@ def check_supported(model: Any) -> None:
         )
     if not hasattr(model, "lm_head"):
         raise InvalidArgumentError("kvcore needs a causal LM with an lm_head (…ForCausalLM)")
+    from kvcore.mla import check_mla_config, is_mla_config
+
+    if is_mla_config(model.config):
+        check_mla_config(model.config)  # names the first DeepSeek feature kvcore cannot serve
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype | None:

@@ -8,8 +8,10 @@ scales, zero points and padding are counted exactly as allocated. Per layer::
     model dtype ("auto", "float16", ...): 2 * kv_heads * head_dim * itemsize
 
 MHA, GQA and MQA differ only in ``kv_heads``. MLA (``kv_lora_rank``) caches one latent of
-``kv_lora_rank + qk_rope_head_dim`` per token and layer instead of K and V (a per-token format
-is applied to it as one head; KIVI does not apply). Sliding-window layers: kvcore shares one
+``kv_lora_rank + qk_rope_head_dim`` per token and layer instead of K and V, shown beside its
+MHA-equivalent (per-head K and V); ``fp8_e4m3`` is kvcore's FP8 latent (one float32 scale per
+block), other per-token formats are applied to it as one head (projections: the engine serves
+the model dtype and ``fp8_e4m3``); KIVI does not apply. Sliding-window layers: kvcore shares one
 block table across layers, so they hold every token like the others (``bytes_per_token``); the
 ``requests_windowed`` figure is what an allocator that drops blocks behind the window would fit.
 KIVI keeps ``1 + kivi_window`` model-dtype residual blocks per request and layer, counted per
@@ -49,6 +51,9 @@ class Geometry:
     dtype: torch.dtype
     max_position: int
     mla_dim: int | None = None  # MLA: latent width per token (kv_lora_rank + rope dims)
+    # MLA: values per layer and token if K and V were cached up-projected per head (MHA form):
+    # heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)
+    mha_equivalent_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,11 +153,27 @@ def geometry(config: Any) -> Geometry:
     if not isinstance(head_dim, int) or head_dim < 1 or not isinstance(kv, int) or kv < 1:
         raise InvalidArgumentError("config needs head_dim or hidden_size, and valid KV heads")
     dtype = DTYPES.get(str(_first(cfg, "torch_dtype", "dtype") or "float16"), torch.float16)
-    mla = None
+    mla = mha_eq = None
     if cfg.get("kv_lora_rank"):
         mla = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+        k_dim = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg.get("qk_rope_head_dim") or 0)
+        mha_eq = heads * ((k_dim or head_dim) + int(cfg.get("v_head_dim") or k_dim or head_dim))
     max_pos = _first(cfg, "max_position_embeddings", "n_positions", "seq_length") or 4096
-    return Geometry(layers, heads, kv, head_dim, _windows(cfg, layers), dtype, int(max_pos), mla)
+    return Geometry(
+        layers, heads, kv, head_dim, _windows(cfg, layers), dtype, int(max_pos), mla, mha_eq
+    )
+
+
+def mha_equivalent_bytes_per_token(geom: Geometry, fmt: str = "auto") -> float | None:
+    """MLA only: bytes per token (all layers) of the same model caching per-head K and V in a
+    model-dtype ``fmt`` ("auto", "float16", ...); None for other models or quantized formats."""
+    if not geom.mla_dim or not geom.mha_equivalent_dim:
+        return None
+    dtype = DTYPES.get(fmt, geom.dtype if fmt == "auto" else None)
+    if dtype is None:
+        return None
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return float(geom.num_layers * geom.mha_equivalent_dim * itemsize)
 
 
 def layer_bytes_per_token(geom: Geometry, fmt: str, block_size: int) -> float:
@@ -164,6 +185,10 @@ def layer_bytes_per_token(geom: Geometry, fmt: str, block_size: int) -> float:
     if not f.quantized:
         return layer_bytes_per_token(geom, _dtype_name(geom.dtype), block_size)
     if geom.mla_dim:
+        if fmt == "fp8_e4m3":  # kvcore's FP8 latent: codes + one float32 scale per block
+            from kvcore_kernels.mla_cache import fp8_row_bytes
+
+            return fp8_row_bytes(block_size, geom.mla_dim) / block_size
         if f.kind == "kivi":
             raise InvalidArgumentError(f"{fmt}: KIVI does not apply to MLA latents")
         check_format(f, head_dim=geom.mla_dim, dtype=geom.dtype, block_size=block_size)
@@ -261,5 +286,14 @@ def format_table(geom: Geometry, rows: list[CapacityRow], budget: int) -> str:
         lines.append(
             f"{r.format:<16}{r.bytes_per_token:>12.1f}{r.ratio_vs_fp16:>9.3f}{r.max_tokens:>14,}"
             f"{r.max_requests:>10,}{r.max_requests_windowed:>15,}"
+        )
+    mha = mha_equivalent_bytes_per_token(geom)
+    if mha is not None and geom.mla_dim and geom.mha_equivalent_dim:
+        latent = geom.num_layers * geom.mla_dim * geom.dtype.itemsize
+        lines.append(
+            f"MLA latent: {geom.mla_dim} values per layer per token ({latent:,} bytes/token in "
+            f"{str(geom.dtype).removeprefix('torch.')}); MHA-equivalent (per-head K and V): "
+            f"{geom.mha_equivalent_dim:,} values ({mha:,.0f} bytes/token), "
+            f"{mha / latent:.1f}x more"
         )
     return "\n".join(lines)
