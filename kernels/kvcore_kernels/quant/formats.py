@@ -2,26 +2,37 @@
 
 A quantized layer cache is ONE ``uint8`` tensor ``[num_blocks, block_bytes]``: every byte a
 block needs (codes, scales, zero points) sits in that block's row, so copying, sharing or
-moving a block (copy-on-write, tier moves) carries its metadata with it. Each format cuts the
-row into named regions, viewed with their own dtype and shape (``H`` = num_kv_heads, ``D`` =
-head_dim, ``bs`` = block_size, ``G = D / 32``)::
+moving a block (copy-on-write, tier moves) carries its metadata with it. A row is ``H``
+head segments of ``head_bytes`` each (``block_bytes = H * head_bytes``): everything one KV head
+of one block holds, codes first (K then V), its scales right after them, so the attention
+kernel's tile of one KV head is one contiguous run of codes plus one of scales (docs/kernels.md,
+"Quantized layouts")::
 
-    format     region  per-block shape        dtype    meaning
-    fp8_*      data    [2, bs, H, D]          float8   x / s_head          (s: float32 [2, H],
+    row = [ head 0 | head 1 | ... | head H-1 ]      head segment = [ data | scales... | pad ]
+
+Each format cuts a head segment into named regions (``H`` = num_kv_heads, ``D`` = head_dim,
+``bs`` = block_size, ``G = D / 32``); shapes are per head segment::
+
+    format     region  per-head shape         dtype    meaning
+    fp8_*      data    [2, bs, D]             float8   x / s_head          (s: float32 [2, H],
                                                                            per layer, not per block)
-    int8       data    [2, bs, H, D]          int8     round(x / s)        symmetric
-               scale   [2, bs, H]             float16  s = amax / 127      per token per head
-    int4       data    [2, bs, H, D/2]        uint8    2 codes per byte    asymmetric, group 32
-               min     [2, bs, H, G]          float16  x = q * s + min
-               scale   [2, bs, H, G]          uint8    s = range / 15 as an e5m3 code (below)
-    int2       data    [2, bs, H, D/4]        uint8    4 codes per byte    plain per-token 2-bit
-               scale   [2, bs, H, G]          float16  s = range / 3       (the KIVI baseline)
-               min     [2, bs, H, G]          float16  x = q * s + min
-    kivi2/4    data    [2, bs, H, D*b/8]      uint8    packed codes        b = 2 or 4 bits
-               kmin    [H, D]                 float16  keys: per channel over the block's tokens
-               kcode   [H, D]                 uint8    s as an e5m3 code (below)
-               vscale  [bs, H]                float16  values: per token (group = D)
-               vmin    [bs, H]                float16  x = q * s + min
+    int8       data    [2, bs, D]             int8     round(x / s)        symmetric
+               scale   [2, bs]                float16  s = amax / 127      per token per head
+    int4       data    [2, bs, D/2]           uint8    2 codes per byte    asymmetric, group 32
+               min     [2, bs, G]             float16  x = q * s + min
+               scale   [2, bs, G]             uint8    s = range / 15 as an e5m3 code (below)
+    int2       data    [2, bs, D/4]           uint8    4 codes per byte    plain per-token 2-bit
+               scale   [2, bs, G]             float16  s = range / 3       (the KIVI baseline)
+               min     [2, bs, G]             float16  x = q * s + min
+    kivi2/4    data    [2, bs, D*b/8]         uint8    packed codes        b = 2 or 4 bits
+               kmin    [D]                    float16  keys: per channel over the block's tokens
+               vscale  [bs]                   float16  values: per token (group = D)
+               vmin    [bs]                   float16  x = q * s + min
+               kcode   [D]                    uint8    s as an e5m3 code (below)
+
+The typed views the torch code uses (``QuantKVCache.views``) put the head axis back where the
+model's ``[2, bs, H, ...]`` order has it (``Region.head_axis``), so the codecs see logical shapes
+(``data [nb, 2, bs, H, Dp]``, ``kmin [nb, H, D]``, ``vscale [nb, bs, H]``) over the new bytes.
 
 Packed codes: element ``d`` of a row lives in byte ``d * b // 8`` at bit ``(d % (8 // b)) * b``.
 An e5m3 code is a scale as an unsigned 8-bit float (5 exponent bits, bias 16, 3 mantissa bits:
@@ -167,15 +178,18 @@ def check_format(
 
 @dataclass(frozen=True)
 class Region:
-    """One named slab of a block row: byte offset, per-block shape and element dtype."""
+    """One named slab of a head segment: byte offset in the segment, per-head shape, element
+    dtype, and where the head axis goes in the logical per-block shape (``head_axis``)."""
 
     name: str
     offset: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    head_axis: int  # logical per-block shape = shape[:head_axis] + (H,) + shape[head_axis:]
 
     @property
     def nbytes(self) -> int:
+        """Bytes of this region in one head segment."""
         n = torch.empty((), dtype=self.dtype).element_size()
         for s in self.shape:
             n *= s
@@ -184,43 +198,46 @@ class Region:
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """The regions of one block row and the row's size in bytes (padded to ``ROW_ALIGN``)."""
+    """The regions of one head segment, the segment's size (padded to ``ROW_ALIGN``) and the
+    row's (``num_kv_heads`` segments)."""
 
     regions: dict[str, Region]
+    head_bytes: int
     block_bytes: int
 
 
 def block_layout(fmt: KVFormat, block_size: int, num_kv_heads: int, head_dim: int) -> BlockLayout:
     """The byte layout of one block of a quantized format (see the module docstring)."""
-    bs, h, d = block_size, num_kv_heads, head_dim
+    bs, d = block_size, head_dim
     if not fmt.quantized:
         raise KernelConfigError("the model-dtype format has no quantized block layout")
     packed = d * fmt.bits // 8 if fmt.bits < 8 else d
     data_dtype = {"fp8": fmt.fp8_dtype, "int8": torch.int8}.get(fmt.kind, torch.uint8)
-    specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [
-        ("data", (2, bs, h, packed), data_dtype)
+    specs: list[tuple[str, tuple[int, ...], torch.dtype, int]] = [
+        ("data", (2, bs, packed), data_dtype, 2)
     ]
     if fmt.kind == "int8":
-        specs.append(("scale", (2, bs, h), torch.float16))
+        specs.append(("scale", (2, bs), torch.float16, 2))
     elif fmt.kind == "intg":
         g = d // GROUP
-        specs.append(("min", (2, bs, h, g), torch.float16))
-        specs.append(("scale", (2, bs, h, g), torch.uint8 if fmt.bits == 4 else torch.float16))
+        specs.append(("min", (2, bs, g), torch.float16, 2))
+        specs.append(("scale", (2, bs, g), torch.uint8 if fmt.bits == 4 else torch.float16, 2))
     elif fmt.kind == "kivi":
         specs += [
-            ("kmin", (h, d), torch.float16),
-            ("vscale", (bs, h), torch.float16),
-            ("vmin", (bs, h), torch.float16),
-            ("kcode", (h, d), torch.uint8),
+            ("kmin", (d,), torch.float16, 0),
+            ("vscale", (bs,), torch.float16, 1),
+            ("vmin", (bs,), torch.float16, 1),
+            ("kcode", (d,), torch.uint8, 0),
         ]
     regions: dict[str, Region] = {}
     offset = 0
-    for name, shape, dtype in specs:
-        region = Region(name, offset, shape, dtype)
+    for name, shape, dtype, head_axis in specs:
+        region = Region(name, offset, shape, dtype, head_axis)
         regions[name] = region
         offset += region.nbytes
         offset += -offset % 4  # keep every region 4-byte aligned (fp16 views, vector loads)
-    return BlockLayout(regions, offset + (-offset % ROW_ALIGN))
+    head_bytes = offset + (-offset % ROW_ALIGN)
+    return BlockLayout(regions, head_bytes, head_bytes * num_kv_heads)
 
 
 def bytes_per_token(
@@ -252,7 +269,7 @@ def kernel_kind(fmt: KVFormat) -> int:
 
 
 def region_offsets(layout: BlockLayout) -> tuple[int, int, int, int, int]:
-    """Byte offsets in a block row of: data, scale|kmin, min|kcode, vscale, vmin (0 if
+    """Byte offsets in a head segment of: data, scale|kmin, min|kcode, vscale, vmin (0 if
     the format has no such region)."""
     offsets = [layout.regions["data"].offset]
     for names in _META_REGIONS:

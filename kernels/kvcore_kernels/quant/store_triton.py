@@ -1,8 +1,10 @@
 """Triton quantizing store: per-token encoding into slots (KIVI's block encoder: kivi_triton).
 
-The kernels write a block row of the ``uint8 [num_blocks, block_bytes]`` buffer through byte
-offsets (``formats.region_offsets``) and typed pointer casts. Element ``(kv, slot, head)`` of a
-per-token region sits at index ``(kv * BLOCK_SIZE + slot) * H + head`` (times ``G`` groups).
+One launch per layer per step writes every token's K and V codes and their scales (one program
+per token, all KV heads). A block row of the ``uint8 [num_blocks, block_bytes]`` buffer is
+``H`` head segments of ``HEAD_BYTES`` (``formats`` docstring); within a segment, element
+``(kv, slot)`` of a per-token region sits at index ``kv * BLOCK_SIZE + slot`` (times ``G`` groups),
+reached through byte offsets (``formats.region_offsets``) and typed pointer casts.
 Rounding is ``floor(x + 0.5)`` and scales are rounded to fp16 before use, as in ``codecs``
 (whose ``FP16_TINY`` = 2**-14 and ``FP16_MAX`` = 65504 bound every fp16 scale here too).
 """
@@ -60,8 +62,8 @@ def _scale_code(exact):
 def _encode_token(
     x,  # [HEADS_PAD, HEAD_DIM] fp32
     ok,  # [HEADS_PAD] heads to write
-    row_ptr,  # uint8 pointer to the block's row
-    sh,  # [HEADS_PAD] index of (kv, slot, head) in the [2, bs, H] grid
+    seg,  # [HEADS_PAD] uint8 pointers to each head's segment of the block row
+    r,  # index of (kv, slot) in the segment's [2, bs] grid
     fp8_scale_ptr,  # float32 [2, H]
     heads,
     KV: tl.constexpr,
@@ -84,16 +86,14 @@ def _encode_token(
             code = _fp8_round(y, 3, -6).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
             code = _fp8_round(y, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
-        tl.store(
-            row_ptr + DATA_OFF + sh[:, None] * HEAD_DIM + dims[None, :], code, mask=ok[:, None]
-        )
+        tl.store(seg[:, None] + DATA_OFF + r * HEAD_DIM + dims[None, :], code, mask=ok[:, None])
     elif KIND == 2:  # int8 symmetric, fp16 scale per token per head
         s16 = tl.minimum(tl.maximum(tl.max(tl.abs(x), 1) / 127.0, 6.103515625e-05), 65504.0)
         s16 = s16.to(tl.float16)
         q = tl.floor(x / s16.to(tl.float32)[:, None] + 0.5)
         q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8).to(tl.uint8, bitcast=True)
-        tl.store(row_ptr + DATA_OFF + sh[:, None] * HEAD_DIM + dims[None, :], q, mask=ok[:, None])
-        tl.store((row_ptr + META0_OFF).to(tl.pointer_type(tl.float16)) + sh, s16, mask=ok)
+        tl.store(seg[:, None] + DATA_OFF + r * HEAD_DIM + dims[None, :], q, mask=ok[:, None])
+        tl.store((seg + META0_OFF).to(tl.pointer_type(tl.float16)) + r, s16, mask=ok)
     else:  # int4 (e5m3 scale code) / int2 (fp16 scale), fp16 min, groups along the head dim
         ng: tl.constexpr = HEAD_DIM // GROUP
         levels: tl.constexpr = (1 << BITS) - 1
@@ -111,15 +111,15 @@ def _encode_token(
         packed = _pack(tl.reshape(q, (HEADS_PAD, HEAD_DIM)), HEADS_PAD, HEAD_DIM, BITS)
         cols = tl.arange(0, HEAD_DIM * BITS // 8)
         width: tl.constexpr = HEAD_DIM * BITS // 8
-        tl.store(row_ptr + DATA_OFF + sh[:, None] * width + cols[None, :], packed, mask=ok[:, None])
-        g = sh[:, None] * ng + tl.arange(0, ng)[None, :]  # [HEADS_PAD, ng]
+        tl.store(seg[:, None] + DATA_OFF + r * width + cols[None, :], packed, mask=ok[:, None])
+        g = r * ng + tl.arange(0, ng)[None, :]  # [1, ng]
         if KIND == 3:
-            tl.store(row_ptr + META0_OFF + g, code, mask=ok[:, None])
+            tl.store(seg[:, None] + META0_OFF + g, code, mask=ok[:, None])
         else:
-            tl.store(
-                (row_ptr + META0_OFF).to(tl.pointer_type(tl.float16)) + g, code, mask=ok[:, None]
-            )
-        tl.store((row_ptr + META1_OFF).to(tl.pointer_type(tl.float16)) + g, lo, mask=ok[:, None])
+            meta0 = (seg[:, None] + META0_OFF).to(tl.pointer_type(tl.float16))
+            tl.store(meta0 + g, code, mask=ok[:, None])
+        meta1 = (seg[:, None] + META1_OFF).to(tl.pointer_type(tl.float16))
+        tl.store(meta1 + g, lo, mask=ok[:, None])
 
 
 @triton.jit
@@ -130,7 +130,6 @@ def _store_tokens_kernel(
     buf_ptr,  # uint8 [num_blocks, block_bytes]
     fp8_scale_ptr,  # float32 [2, NUM_KV_HEADS] (fp8 only)
     num_slots,
-    block_bytes,
     stride_key_tok,
     stride_key_head,
     stride_value_tok,
@@ -139,6 +138,7 @@ def _store_tokens_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
+    HEAD_BYTES: tl.constexpr,  # bytes of one head segment (block row = NUM_KV_HEADS of them)
     KIND: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -157,7 +157,7 @@ def _store_tokens_kernel(
     # The slot is broadcast before comparing: the interpreter rejects scalar-bool & block masks.
     slots = tl.zeros([HEADS_PAD], dtype=tl.int64) + slot
     ok = (slots >= BLOCK_SIZE) & (slots < num_slots) & (heads < NUM_KV_HEADS)
-    row_ptr = buf_ptr + block * block_bytes
+    seg = buf_ptr + block * (NUM_KV_HEADS * HEAD_BYTES) + heads * HEAD_BYTES  # [HEADS_PAD]
     k = tl.load(
         key_ptr + tok * stride_key_tok + heads[:, None] * stride_key_head + dims[None, :],
         mask=ok[:, None],
@@ -168,13 +168,11 @@ def _store_tokens_kernel(
         mask=ok[:, None],
         other=0.0,
     ).to(tl.float32)
-    sh_k = offset * NUM_KV_HEADS + heads
-    sh_v = (BLOCK_SIZE + offset) * NUM_KV_HEADS + heads
     _encode_token(
         k,
         ok,
-        row_ptr,
-        sh_k,
+        seg,
+        offset,
         fp8_scale_ptr,
         heads,
         0,
@@ -192,8 +190,8 @@ def _store_tokens_kernel(
     _encode_token(
         v,
         ok,
-        row_ptr,
-        sh_v,
+        seg,
+        BLOCK_SIZE + offset,
         fp8_scale_ptr,
         heads,
         1,
@@ -228,7 +226,6 @@ def store_tokens_triton(
         buf_ptr=cache.buffer,
         fp8_scale_ptr=cache.fp8_scale if cache.fp8_scale is not None else key,
         num_slots=cache.num_blocks * cache.block_size,
-        block_bytes=cache.layout.block_bytes,
         stride_key_tok=key.stride(0),
         stride_key_head=key.stride(1),
         stride_value_tok=value.stride(0),
@@ -237,6 +234,7 @@ def store_tokens_triton(
         NUM_KV_HEADS=cache.num_kv_heads,
         HEAD_DIM=cache.head_dim,
         HEADS_PAD=triton.next_power_of_2(cache.num_kv_heads),
+        HEAD_BYTES=cache.layout.head_bytes,
         KIND=kind,
         BITS=cache.fmt.bits,
         GROUP=GROUP,
