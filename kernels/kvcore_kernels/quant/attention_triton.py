@@ -288,7 +288,7 @@ def paged_attention_quant_triton(
     unit = min(bs_pad, block_n)
     tile_req, tile_start = _tiles(meta, block_q)
     num_tiles = tile_req.shape[0]
-    splits = choose_num_splits(num_tiles * hk, meta.max_seq_len, query.device)
+    splits = choose_num_splits(num_tiles * hk, meta.max_seq_len, query.device, block_n)
     if splits > 1:
         f32 = dict(dtype=torch.float32, device=query.device)
         part_acc = torch.empty((splits, meta.num_tokens, hq, d), **f32)
