@@ -323,8 +323,8 @@ def num_kv_splits(
     if splits <= 1:
         return 1
     tiles = -(-max_keys // block_n)
-    per_split = -(-tiles // splits)  # tiles per split, as the kernel divides them
-    return max(1, -(-tiles // per_split))
+    per_split = max(1, tiles // splits, -(-tiles // MAX_SPLITS))  # whole tiles, rounded down
+    return max(1, -(-tiles // per_split))  # the kernel's cdiv(tiles, splits) leaves none empty
 
 
 def choose_num_splits(
