@@ -19,6 +19,8 @@ from kvcore_kernels.quant.codecs import (
     kcode_to_scale,
     kivi_decode_blocks,
     kivi_encode_blocks,
+    min8_decode,
+    min8_encode,
     pack_codes,
     rotation_matrix,
     unpack_codes,
@@ -80,6 +82,13 @@ def test_fp8_rounding_matches_torch_cast():
         assert torch.equal(fp8_round(x, dtype).to(dtype).float(), x.to(dtype).float())
 
 
+def test_min8_rounds_down_within_an_eighth():
+    lo = torch.cat([torch.randn(5000) * 30, torch.randn(5000) * 1e-2, torch.zeros(3)])
+    back = min8_decode(min8_encode(lo))
+    assert (back <= lo).all()
+    assert (lo - back <= lo.abs() * 0.125 + 2.0**-9 * 16).all()
+
+
 def test_scale_code_rounds_up_within_an_eighth():
     s = torch.rand(10000) * 100 + 1e-3
     back = kcode_to_scale(kcode_encode(s))
@@ -92,7 +101,7 @@ def test_rotation_is_orthonormal():
         assert torch.allclose(r @ r.T, torch.eye(d), atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4_k8", "int2", "fp8_e4m3", "fp8_e5m2"])
 def test_token_codecs_error_bounds(name):
     fmt = get_format(name)
     x = torch.randn(50, 3, 64) * 4
@@ -106,12 +115,16 @@ def test_token_codecs_error_bounds(name):
     elif name == "int8":  # half a step of amax / 127
         step = x.abs().amax(-1, keepdim=True) / 127
         assert (err <= step * 0.51 + 1e-6).all()
-    else:  # half a step of the group's range (the int4 step is rounded up by <= 1/8)
-        levels = 15 if name == "int4" else 3
-        xg = x.view(50, 3, 2, 32)
-        step = (xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) / levels
-        slack = 1.125 if name == "int4" else 1.001
-        assert (err.view(50, 3, 2, 32) <= step * 0.5 * slack + 1e-3).all()
+    else:  # half a step of the group's range (K groups: fmt.groups[0])
+        levels = 15 if fmt.bits == 4 else 3
+        g = fmt.groups[0]
+        xg = x.view(50, 3, 64 // g, g)
+        lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+        # an 8-bit minimum is rounded down by at most 1/8 of |min|; the e5m3 step up by 1/8
+        widen = lo.abs() * 0.125 if fmt.min8 else 0.0
+        slack = 1.125 if fmt.bits == 4 else 1.001
+        step = (hi - lo + widen) / levels * slack
+        assert (err.view(50, 3, 64 // g, g) <= step * 0.5 + 1e-3).all()
 
 
 def test_kivi_codec_keys_per_channel_values_per_token():

@@ -14,7 +14,7 @@ import kvcore_kernels as kk  # noqa: E402
 from kvcore_kernels.quant import allocate_kv_caches, paged_attention_quant, store_kv_quant  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-QUANT = ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "kivi4", "kivi2"]
+QUANT = ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "int4_k8", "int2", "kivi4", "kivi2"]
 
 
 @pytest.mark.parametrize("name", QUANT)
@@ -76,7 +76,7 @@ def _decode_case(name, dtype, bs, ctx, gen, window=None):
     [("int8", torch.float32, 12, None), ("fp8_e4m3", torch.float16, 16, 70),
      ("int4", torch.float32, 64, None), ("int2", torch.float16, 12, 50),
      ("kivi4", torch.float32, 64, None), ("kivi2", torch.float16, 12, None),
-     ("fp8_e5m2", torch.float32, 16, None)],
+     ("fp8_e5m2", torch.float32, 16, None), ("int4_k8", torch.float16, 16, None)],
 )  # fmt: skip
 def test_triton_decode_splits_and_odd_blocks_match_twin(name, dtype, bs, window, gen, monkeypatch):
     from kvcore_kernels import attention_triton

@@ -27,7 +27,7 @@ from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
 from kvcore_kernels.quant.attention_torch import shape_proxy
 from kvcore_kernels.quant.cache import QuantKVCache
-from kvcore_kernels.quant.formats import GROUP, KCODE_EXP_BIAS, kernel_kind, region_offsets
+from kvcore_kernels.quant.formats import KCODE_EXP_BIAS, kernel_kind, region_offsets
 from kvcore_kernels.quant.load_triton import (
     _group_dequant,
     _kivi_keys,
@@ -74,7 +74,9 @@ def _paged_attention_quant_kernel(
     stride_out_head,
     KIND: tl.constexpr,
     BITS: tl.constexpr,
-    GROUP: tl.constexpr,
+    K_GROUP: tl.constexpr,  # intg: group sizes of K and V along the head dim
+    V_GROUP: tl.constexpr,
+    MIN8: tl.constexpr,  # intg: 8-bit minima
     HEAD_BYTES: tl.constexpr,  # one head segment of a block row
     DATA_OFF: tl.constexpr,
     META0_OFF: tl.constexpr,
@@ -161,8 +163,8 @@ def _paged_attention_quant_kernel(
             k = kb.to(tl.int8, bitcast=True).to(COMPUTE_DTYPE)
         elif KIND <= 4:
             k = _group_dequant(
-                _unpack(kb, BITS), seg, pos, key_ok, 0, KIND, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
-                GROUP, META0_OFF, META1_OFF, KCODE_EXP_BIAS,
+                _unpack(kb, BITS), seg, pos, key_ok, KIND, MIN8, BLOCK_N, HEAD_DIM, K_GROUP,
+                META0_OFF, META1_OFF, KCODE_EXP_BIAS,
             ).to(COMPUTE_DTYPE)  # fmt: skip
         else:
             units = t * (BLOCK_N // PB) + tl.arange(0, BLOCK_N // PB)  # [NB]
@@ -214,8 +216,8 @@ def _paged_attention_quant_kernel(
             acc += tl.dot((p * sv[None, :]).to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
         elif KIND <= 4:
             v = _group_dequant(
-                _unpack(vb, BITS), seg, pos, key_ok, 1, KIND, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
-                GROUP, META0_OFF, META1_OFF, KCODE_EXP_BIAS,
+                _unpack(vb, BITS), seg, pos, key_ok, KIND, MIN8, BLOCK_N, HEAD_DIM, V_GROUP,
+                META2_OFF, META3_OFF, KCODE_EXP_BIAS,
             ).to(COMPUTE_DTYPE)  # fmt: skip
             acc += tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
         else:  # kivi: sum_n p (c s + min) = (p s) @ c + sum_n p min
@@ -332,7 +334,9 @@ def paged_attention_quant_triton(
         stride_out_head=out.stride(1),
         KIND=kernel_kind(cache.fmt),
         BITS=cache.fmt.bits,
-        GROUP=GROUP,
+        K_GROUP=cache.fmt.groups[0],
+        V_GROUP=cache.fmt.groups[1],
+        MIN8=cache.fmt.min8,
         HEAD_BYTES=cache.layout.head_bytes,
         DATA_OFF=offsets[0],
         META0_OFF=offsets[1],

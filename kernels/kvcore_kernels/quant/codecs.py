@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore_kernels.quant.formats import GROUP, KCODE_EXP_BIAS, KCODE_MAX, KCODE_MIN, KVFormat
+from kvcore_kernels.quant.formats import KCODE_EXP_BIAS, KCODE_MAX, KCODE_MIN, MIN8_SCALE, KVFormat
 
 FP16_TINY = 2.0**-14  # smallest normal fp16: the floor of every stored scale
 FP16_MAX = 65504.0
@@ -94,11 +94,32 @@ def fp8_calibrate(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale)).contiguous()
 
 
-def encode_tokens(fmt: KVFormat, x: torch.Tensor, fp8_scale: torch.Tensor | None = None):
-    """Encode ``x: [T, H, D]``; returns the region tensors with a leading ``[T, ...]``.
+def min8_encode(lo: torch.Tensor) -> torch.Tensor:
+    """fp32 group minima -> uint8 codes of ``lo / MIN8_SCALE`` as FP8 E4M3, rounded DOWN (the
+    decoded minimum is <= ``lo``, so the quantization grid still starts below the group)."""
+    y = (lo.float() / MIN8_SCALE).clamp(-448.0, 448.0)
+    code = fp8_round(y, torch.float8_e4m3fn).to(torch.float8_e4m3fn).view(torch.uint8).int()
+    near = code.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    # one step toward -inf where the nearest value is above: magnitude down for positive
+    # codes, up for negative ones; +-0 steps to the smallest negative subnormal (0x81)
+    down = torch.where(near > 0, code - 1, torch.where(near == 0, 0x81, code + 1))
+    return torch.where(near > y, down, code).to(torch.uint8)
 
-    fp8: ``data``; int8: ``data, scale``; int4 / int2: ``data, scale, min`` (int4's scale is
-    an e5m3 code). ``fp8_scale``: float32 ``[H]`` (fp8 only).
+
+def min8_decode(code: torch.Tensor) -> torch.Tensor:
+    """float32 minima of uint8 ``min8_encode`` codes (exact)."""
+    return code.view(torch.float8_e4m3fn).float() * MIN8_SCALE
+
+
+def encode_tokens(
+    fmt: KVFormat, x: torch.Tensor, fp8_scale: torch.Tensor | None = None, which: int = 0
+):
+    """Encode ``x: [T, H, D]`` (K if ``which == 0``, else V); returns the codec parts with a
+    leading ``[T, ...]`` (``formats.token_regions`` names their regions).
+
+    fp8: ``data``; int8: ``data, scale``; int4 / int2: ``data, scale, min`` in groups of
+    ``fmt.groups[which]`` (int4's scale is an e5m3 code, its min an 8-bit code with
+    ``fmt.min8``). ``fp8_scale``: float32 ``[H]`` (fp8 only).
     """
     x = x.float()
     if fmt.kind == "fp8":
@@ -111,9 +132,15 @@ def encode_tokens(fmt: KVFormat, x: torch.Tensor, fp8_scale: torch.Tensor | None
         q = rnd(x / s[..., None]).clamp(-127, 127).to(torch.int8)
         return {"data": q, "scale": s.half()}
     t, h, d = x.shape
-    xg = x.view(t, h, d // GROUP, GROUP)
+    group = fmt.groups[which]
+    xg = x.view(t, h, d // group, group)
     levels = (1 << fmt.bits) - 1
-    lo = xg.amin(-1).clamp(-FP16_MAX, FP16_MAX).half().float()
+    if fmt.min8:
+        lo_code = min8_encode(xg.amin(-1))
+        lo = min8_decode(lo_code)
+    else:
+        lo = xg.amin(-1).clamp(-FP16_MAX, FP16_MAX).half().float()
+        lo_code = lo.half()
     if fmt.bits == 4:
         code = kcode_encode((xg.amax(-1) - lo) / levels)
         s = kcode_to_scale(code)
@@ -121,11 +148,13 @@ def encode_tokens(fmt: KVFormat, x: torch.Tensor, fp8_scale: torch.Tensor | None
         s = _scale16((xg.amax(-1) - lo) / levels)
         code = s.half()
     q = rnd((xg - lo[..., None]) / s[..., None]).clamp(0, levels)
-    return {"data": pack_codes(q.view(t, h, d), fmt.bits), "scale": code, "min": lo.half()}
+    return {"data": pack_codes(q.view(t, h, d), fmt.bits), "scale": code, "min": lo_code}
 
 
-def decode_tokens(fmt: KVFormat, parts: dict, fp8_scale: torch.Tensor | None = None):
-    """Decode region tensors ``[T, ...]`` back to float32 ``[T, H, D]``."""
+def decode_tokens(
+    fmt: KVFormat, parts: dict, fp8_scale: torch.Tensor | None = None, which: int = 0
+):
+    """Decode codec parts ``[T, ...]`` of K (``which == 0``) or V back to float32 ``[T, H, D]``."""
     data = parts["data"]
     if fmt.kind == "fp8":
         assert fp8_scale is not None
@@ -134,9 +163,11 @@ def decode_tokens(fmt: KVFormat, parts: dict, fp8_scale: torch.Tensor | None = N
         return data.float() * parts["scale"].float()[..., None]
     q = unpack_codes(data, fmt.bits).float()
     t, h, d = q.shape
-    qg = q.view(t, h, d // GROUP, GROUP)
+    group = fmt.groups[which]
+    qg = q.view(t, h, d // group, group)
     s = kcode_to_scale(parts["scale"]) if fmt.bits == 4 else parts["scale"].float()
-    return (qg * s[..., None] + parts["min"].float()[..., None]).view(t, h, d)
+    lo = min8_decode(parts["min"]) if fmt.min8 else parts["min"].float()
+    return (qg * s[..., None] + lo[..., None]).view(t, h, d)
 
 
 def kcode_encode(scale: torch.Tensor) -> torch.Tensor:

@@ -18,12 +18,16 @@ Each format cuts a head segment into named regions (``H`` = num_kv_heads, ``D`` 
                                                                            per layer, not per block)
     int8       data    [2, bs, D]             int8     round(x / s)        symmetric
                scale   [2, bs]                float16  s = amax / 127      per token per head
-    int4       data    [2, bs, D/2]           uint8    2 codes per byte    asymmetric, group 32
-               min     [2, bs, G]             float16  x = q * s + min
-               scale   [2, bs, G]             uint8    s = range / 15 as an e5m3 code (below)
+    int4       data    [2, bs, D/2]           uint8    2 codes per byte    asymmetric
+               kscale  [bs, D/16]             uint8    s = range / 15 as an e5m3 code (below)
+               kmin    [bs, D/16]             uint8    x = q * s + min, min an 8-bit float (below)
+               vscale  [bs, D/32]             uint8    values: groups of 32
+               vmin    [bs, D/32]             uint8
+    int4_k8    as int4 with keys in groups of 8: kscale / kmin [bs, D/8]
     int2       data    [2, bs, D/4]           uint8    4 codes per byte    plain per-token 2-bit
-               scale   [2, bs, G]             float16  s = range / 3       (the KIVI baseline)
-               min     [2, bs, G]             float16  x = q * s + min
+               kscale  [bs, G]                float16  s = range / 3       (the KIVI baseline)
+               kmin    [bs, G]                float16  x = q * s + min
+               vscale  [bs, G], vmin [bs, G]  float16  the same for values
     kivi2/4    data    [2, bs, D*b/8]         uint8    packed codes        b = 2 or 4 bits
                kmin    [D]                    float16  keys: per channel over the block's tokens
                vscale  [bs]                   float16  values: per token (group = D)
@@ -37,7 +41,10 @@ model's ``[2, bs, H, ...]`` order has it (``Region.head_axis``), so the codecs s
 Packed codes: element ``d`` of a row lives in byte ``d * b // 8`` at bit ``(d % (8 // b)) * b``.
 An e5m3 code is a scale as an unsigned 8-bit float (5 exponent bits, bias 16, 3 mantissa bits:
 2^-16 .. 61440) rounded UP, so the encoded range always covers the group's (at most 12.5%
-coarser than exact), beside an exact fp16 minimum.
+coarser than exact). An 8-bit minimum (int4) is ``min / 16`` as FP8 E4M3 rounded DOWN (range
++-7168): the grid then starts at or below the group's minimum and the scale is computed from
+the stored minimum, so the error stays within half a step; it frees the byte that pays for
+int4's key groups of 16 (keys are what suffers at 4 bits) at int4's old bytes per token.
 
 Key rotation (``KVFormat.rotate``): formats marked "k" store ``k @ R`` and attention uses
 ``q @ R`` (``R``: a D x D orthonormal Hadamard matrix with seeded random signs, QuaRot's
@@ -66,7 +73,8 @@ import torch
 from kvcore_kernels.errors import KernelConfigError
 
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-GROUP = 32  # int4 / int2 group along the head dimension
+GROUP = 32  # default int4 / int2 group along the head dimension
+MIN8_SCALE = 16.0  # an 8-bit minimum stores min / MIN8_SCALE as FP8 E4M3 (range +-7168)
 ROW_ALIGN = 16  # block rows are padded to a multiple of this many bytes
 KCODE_EXP_BIAS = 16  # KIVI key scale code: an unsigned e5m3 float, 2^(e - 16) * (1 + m / 8)
 KCODE_MIN = 2.0**-16  # code 0
@@ -85,6 +93,8 @@ class KVFormat:
     per_tensor: bool = False  # fp8: one scale per layer for K and V instead of one per head
     description: str = ""
     rotate: str = ""  # "", "k", "v" or "kv": Hadamard-rotate keys / values (docstring)
+    groups: tuple[int, int] = (GROUP, GROUP)  # intg: K and V group sizes along the head dim
+    min8: bool = False  # intg: group minima as 8-bit floats rounded down (else fp16)
 
     @property
     def quantized(self) -> bool:
@@ -105,7 +115,24 @@ FORMATS: dict[str, KVFormat] = {
         KVFormat("fp8_e4m3_tensor", "fp8", 8, torch.float8_e4m3fn, True, "FP8 E4M3", "k"),
         KVFormat("fp8_e5m2_tensor", "fp8", 8, torch.float8_e5m2, True, "FP8 E5M2", "k"),
         KVFormat("int8", "int8", 8, description="INT8 symmetric, scale per token per head"),
-        KVFormat("int4", "intg", 4, description="INT4 asymmetric, group 32", rotate="k"),
+        KVFormat(
+            "int4",
+            "intg",
+            4,
+            description="INT4 asymmetric, K groups of 16, V groups of 32, 8-bit minima",
+            rotate="k",
+            groups=(16, 32),
+            min8=True,
+        ),
+        KVFormat(
+            "int4_k8",
+            "intg",
+            4,
+            description="INT4 asymmetric, K groups of 8, V groups of 32, 8-bit minima",
+            rotate="k",
+            groups=(8, 32),
+            min8=True,
+        ),
         KVFormat("int2", "intg", 2, description="plain per-token 2-bit, group 32 (baseline)"),
         KVFormat(
             "kivi4", "kivi", 4, description="KIVI 4-bit: K per channel, V per token", rotate="kv"
@@ -151,10 +178,10 @@ def check_format(
         raise KernelConfigError(f"block_size must be a positive int, got {block_size!r}")
     if not fmt.quantized:
         return fmt
-    if fmt.kind == "intg" and head_dim % GROUP:
+    if fmt.kind == "intg" and head_dim % max(fmt.groups):
         raise KernelConfigError(
-            f"{fmt.name} quantizes groups of {GROUP} along the head dim: head_dim {head_dim} "
-            f"is not a multiple of {GROUP}"
+            f"{fmt.name} quantizes groups of {max(fmt.groups)} along the head dim: head_dim "
+            f"{head_dim} is not a multiple of {max(fmt.groups)}"
         )
     if fmt.kind == "kivi":
         if head_dim % fmt.codes_per_byte:
@@ -218,10 +245,12 @@ def block_layout(fmt: KVFormat, block_size: int, num_kv_heads: int, head_dim: in
     ]
     if fmt.kind == "int8":
         specs.append(("scale", (2, bs), torch.float16, 2))
-    elif fmt.kind == "intg":
-        g = d // GROUP
-        specs.append(("min", (2, bs, g), torch.float16, 2))
-        specs.append(("scale", (2, bs, g), torch.uint8 if fmt.bits == 4 else torch.float16, 2))
+    elif fmt.kind == "intg":  # K and V each: [bs, G] scales and minima (their own group size)
+        scale_dtype = torch.uint8 if fmt.bits == 4 else torch.float16
+        min_dtype = torch.uint8 if fmt.min8 else torch.float16
+        for kv, group in zip("kv", fmt.groups, strict=True):
+            specs.append((kv + "scale", (bs, d // group), scale_dtype, 1))
+            specs.append((kv + "min", (bs, d // group), min_dtype, 1))
     elif fmt.kind == "kivi":
         specs += [
             ("kmin", (d,), torch.float16, 0),
@@ -256,7 +285,7 @@ def bytes_per_token(
 
 # Kernel-facing encoding of a format: one integer kind and the byte offsets of up to five regions.
 KIND_FP8_E4M3, KIND_FP8_E5M2, KIND_INT8, KIND_INT4, KIND_INT2, KIND_KIVI = range(6)
-_META_REGIONS = (("scale", "kmin"), ("min", "kcode"), ("vscale",), ("vmin",))
+_META_REGIONS = (("scale", "kscale", "kmin"), ("kmin", "kcode"), ("vscale",), ("vmin",))
 
 
 def kernel_kind(fmt: KVFormat) -> int:
@@ -269,9 +298,25 @@ def kernel_kind(fmt: KVFormat) -> int:
 
 
 def region_offsets(layout: BlockLayout) -> tuple[int, int, int, int, int]:
-    """Byte offsets in a head segment of: data, scale|kmin, min|kcode, vscale, vmin (0 if
-    the format has no such region)."""
+    """Byte offsets in a head segment of: data, then int8 ``scale`` / intg ``kscale`` / kivi
+    ``kmin``, then intg ``kmin`` / kivi ``kcode``, then ``vscale``, ``vmin`` (0 if absent)."""
     offsets = [layout.regions["data"].offset]
+    taken: set[str] = set()
     for names in _META_REGIONS:
-        offsets.append(next((layout.regions[n].offset for n in names if n in layout.regions), 0))
+        name = next((n for n in names if n in layout.regions and n not in taken), None)
+        taken.add(name or "")
+        offsets.append(layout.regions[name].offset if name else 0)
     return tuple(offsets)  # type: ignore[return-value]
+
+
+def token_regions(fmt: KVFormat, which: int) -> dict[str, tuple[str, bool]]:
+    """Per-token formats: codec part -> (region name, whether the region has a leading K/V axis
+    to index with ``which``) for K (``which=0``) or V (1)."""
+    out = {"data": ("data", True)}
+    if fmt.kind == "int8":
+        out["scale"] = ("scale", True)
+    elif fmt.kind == "intg":
+        kv = "kv"[which]
+        out["scale"] = (kv + "scale", False)
+        out["min"] = (kv + "min", False)
+    return out

@@ -7,7 +7,8 @@ key statistics) is one ``[NB, D]`` load broadcast over the unit's rows. Decoding
 
     fp8    bitcast the bytes; the per-head scale multiplies the scores (K) / the output (V)
     int8   int8 -> compute dtype; per-token scales multiply score columns (K) / probabilities (V)
-    int4   one byte load per two codes, shifts in registers, [N, G, 32] * s[N, G, 1] + min
+    int4   one byte load per two codes, shifts in registers, [N, G, g] * s[N, G, 1] + min
+           (K and V each with their own group size g and [bs, G] scale / min regions)
     int2   the same, four codes per byte
     kivi   K: [NB, PB, D] * s[NB, 1, D] + min[NB, 1, D]  (per block and head: a broadcast)
            V: codes against probabilities times the per-token scale, plus sum(p * min)
@@ -80,20 +81,19 @@ def _group_dequant(
     seg,
     pos,
     key_ok,
-    KV: tl.constexpr,
     KIND: tl.constexpr,  # 3: int4 (e5m3 scale code), 4: int2 (fp16 scale)
+    MIN8: tl.constexpr,  # minima as 8-bit codes (codecs.min8_encode), else fp16
     BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    GROUP: tl.constexpr,
-    SCALE_OFF: tl.constexpr,
-    MIN_OFF: tl.constexpr,
+    GROUP: tl.constexpr,  # this K or V's group size
+    SCALE_OFF: tl.constexpr,  # this K or V's [bs, G] scale region
+    MIN_OFF: tl.constexpr,  # ... and min region
     KCODE_EXP_BIAS: tl.constexpr,
 ):
     """Per-token groupwise codes -> fp32 ``[N, HEAD_DIM]``: one ``[N, G]`` load of scales and
-    of minima, broadcast over each group's 32 elements."""
+    of minima, broadcast over each group's elements."""
     ng: tl.constexpr = HEAD_DIM // GROUP
-    g = (KV * BLOCK_SIZE + pos)[:, None] * ng + tl.arange(0, ng)[None, :]  # [N, G]
+    g = pos[:, None] * ng + tl.arange(0, ng)[None, :]  # [N, G]
     if KIND == 3:
         code = tl.load(seg[:, None] + SCALE_OFF + g, mask=key_ok[:, None], other=0).to(tl.int32)
         s = ((((code >> 3) - KCODE_EXP_BIAS + 127) << 23) | ((code & 7) << 20)).to(
@@ -102,9 +102,14 @@ def _group_dequant(
     else:
         s = tl.load((seg[:, None] + SCALE_OFF).to(tl.pointer_type(tl.float16)) + g, mask=key_ok[:, None])
         s = s.to(tl.float32)
-    lo = tl.load((seg[:, None] + MIN_OFF).to(tl.pointer_type(tl.float16)) + g, mask=key_ok[:, None])
+    if MIN8:
+        lo = tl.load(seg[:, None] + MIN_OFF + g, mask=key_ok[:, None], other=0)
+        lo = lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16.0
+    else:
+        lo = tl.load((seg[:, None] + MIN_OFF).to(tl.pointer_type(tl.float16)) + g, mask=key_ok[:, None])
+        lo = lo.to(tl.float32)
     x = tl.reshape(codes.to(tl.float32), (BLOCK_N, ng, GROUP))
-    x = x * s[:, :, None] + lo.to(tl.float32)[:, :, None]
+    x = x * s[:, :, None] + lo[:, :, None]
     return tl.reshape(x, (BLOCK_N, HEAD_DIM))
 
 

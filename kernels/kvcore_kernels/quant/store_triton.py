@@ -17,7 +17,6 @@ import triton.language as tl
 
 from kvcore_kernels.quant.cache import QuantKVCache
 from kvcore_kernels.quant.formats import (
-    GROUP,
     KIND_FP8_E4M3,
     KIND_FP8_E5M2,
     kernel_kind,
@@ -59,11 +58,23 @@ def _scale_code(exact):
 
 
 @triton.jit
+def _min8_code(lo):
+    """``codecs.min8_encode``: (uint8 code of lo / 16 as FP8 E4M3 rounded down, its fp32 value)."""
+    y = tl.minimum(tl.maximum(lo / 16.0, -448.0), 448.0)
+    near = _fp8_round(y, 3, -6)
+    code = near.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    down = tl.where(near > 0, code - 1, tl.where(near == 0, 0x81, code + 1))
+    code = tl.where(near > y, down, code).to(tl.uint8)
+    return code, code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16.0
+
+
+@triton.jit
 def _encode_token(
     x,  # [HEADS_PAD, HEAD_DIM] fp32
     ok,  # [HEADS_PAD] heads to write
     seg,  # [HEADS_PAD] uint8 pointers to each head's segment of the block row
     r,  # index of (kv, slot) in the segment's [2, bs] grid
+    slot,  # the token's slot in its block (row of the per-K/V [bs, G] regions)
     fp8_scale_ptr,  # float32 [2, H]
     heads,
     KV: tl.constexpr,
@@ -72,10 +83,11 @@ def _encode_token(
     HEADS_PAD: tl.constexpr,
     KIND: tl.constexpr,
     BITS: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr,  # intg: this K or V's group size
+    MIN8: tl.constexpr,  # intg: 8-bit minima (codecs.min8_encode)
     DATA_OFF: tl.constexpr,
-    META0_OFF: tl.constexpr,
-    META1_OFF: tl.constexpr,
+    META0_OFF: tl.constexpr,  # int8: scale [2, bs]; intg: this K or V's scale region
+    META1_OFF: tl.constexpr,  # intg: this K or V's min region
     FP8_MAX: tl.constexpr,
 ):
     dims = tl.arange(0, HEAD_DIM)
@@ -98,8 +110,11 @@ def _encode_token(
         ng: tl.constexpr = HEAD_DIM // GROUP
         levels: tl.constexpr = (1 << BITS) - 1
         xg = tl.reshape(x, (HEADS_PAD, ng, GROUP))
-        lo = tl.minimum(tl.maximum(tl.min(xg, 2), -65504.0), 65504.0).to(tl.float16)
-        lof = lo.to(tl.float32)
+        if MIN8:
+            lo, lof = _min8_code(tl.min(xg, 2))
+        else:
+            lo = tl.minimum(tl.maximum(tl.min(xg, 2), -65504.0), 65504.0).to(tl.float16)
+            lof = lo.to(tl.float32)
         if KIND == 3:
             code, s = _scale_code((tl.max(xg, 2) - lof) / levels)
         else:
@@ -112,14 +127,17 @@ def _encode_token(
         cols = tl.arange(0, HEAD_DIM * BITS // 8)
         width: tl.constexpr = HEAD_DIM * BITS // 8
         tl.store(seg[:, None] + DATA_OFF + r * width + cols[None, :], packed, mask=ok[:, None])
-        g = r * ng + tl.arange(0, ng)[None, :]  # [1, ng]
+        g = slot * ng + tl.arange(0, ng)[None, :]  # [1, ng] in this K or V's [bs, ng]
         if KIND == 3:
             tl.store(seg[:, None] + META0_OFF + g, code, mask=ok[:, None])
         else:
             meta0 = (seg[:, None] + META0_OFF).to(tl.pointer_type(tl.float16))
             tl.store(meta0 + g, code, mask=ok[:, None])
-        meta1 = (seg[:, None] + META1_OFF).to(tl.pointer_type(tl.float16))
-        tl.store(meta1 + g, lo, mask=ok[:, None])
+        if MIN8:
+            tl.store(seg[:, None] + META1_OFF + g, lo, mask=ok[:, None])
+        else:
+            meta1 = (seg[:, None] + META1_OFF).to(tl.pointer_type(tl.float16))
+            tl.store(meta1 + g, lo, mask=ok[:, None])
 
 
 @triton.jit
@@ -141,10 +159,14 @@ def _store_tokens_kernel(
     HEAD_BYTES: tl.constexpr,  # bytes of one head segment (block row = NUM_KV_HEADS of them)
     KIND: tl.constexpr,
     BITS: tl.constexpr,
-    GROUP: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_GROUP: tl.constexpr,
+    MIN8: tl.constexpr,
     DATA_OFF: tl.constexpr,
     META0_OFF: tl.constexpr,
     META1_OFF: tl.constexpr,
+    V_META0_OFF: tl.constexpr,  # intg: V's scale / min regions (int8: META0_OFF again)
+    V_META1_OFF: tl.constexpr,
     FP8_MAX: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -173,6 +195,7 @@ def _store_tokens_kernel(
         ok,
         seg,
         offset,
+        offset,
         fp8_scale_ptr,
         heads,
         0,
@@ -181,7 +204,8 @@ def _store_tokens_kernel(
         HEADS_PAD,
         KIND,
         BITS,
-        GROUP,
+        K_GROUP,
+        MIN8,
         DATA_OFF,
         META0_OFF,
         META1_OFF,
@@ -192,6 +216,7 @@ def _store_tokens_kernel(
         ok,
         seg,
         BLOCK_SIZE + offset,
+        offset,
         fp8_scale_ptr,
         heads,
         1,
@@ -200,10 +225,11 @@ def _store_tokens_kernel(
         HEADS_PAD,
         KIND,
         BITS,
-        GROUP,
+        V_GROUP,
+        MIN8,
         DATA_OFF,
-        META0_OFF,
-        META1_OFF,
+        V_META0_OFF,
+        V_META1_OFF,
         FP8_MAX,
     )
 
@@ -217,7 +243,9 @@ def store_tokens_triton(
     if key.shape[0] == 0:
         return
     kind = kernel_kind(cache.fmt)
-    data_off, meta0, meta1, _, _ = region_offsets(cache.layout)
+    data_off, meta0, meta1, meta2, meta3 = region_offsets(cache.layout)
+    if cache.fmt.kind != "intg":  # int8: one [2, bs] scale region for K and V
+        meta2, meta3 = meta0, meta1
     fp8_max = 448.0 if kind == KIND_FP8_E4M3 else 57344.0 if kind == KIND_FP8_E5M2 else 0.0
     _store_tokens_kernel[(key.shape[0],)](
         key_ptr=key,
@@ -237,9 +265,13 @@ def store_tokens_triton(
         HEAD_BYTES=cache.layout.head_bytes,
         KIND=kind,
         BITS=cache.fmt.bits,
-        GROUP=GROUP,
+        K_GROUP=cache.fmt.groups[0],
+        V_GROUP=cache.fmt.groups[1],
+        MIN8=cache.fmt.min8,
         DATA_OFF=data_off,
         META0_OFF=meta0,
         META1_OFF=meta1,
+        V_META0_OFF=meta2,
+        V_META1_OFF=meta3,
         FP8_MAX=fp8_max,
     )
