@@ -21,8 +21,8 @@ import time
 
 import kvcore_kernels as kk
 import torch
-from kvcore_kernels.attention_triton import choose_num_splits
 import torch.nn.functional as F
+from kvcore_kernels.splits_triton import choose_num_splits
 from triton.testing import do_bench
 
 HQ, HK, D, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16

@@ -47,7 +47,9 @@ def _decode_case(name, dtype, bs, ctx, gen, window=None):
     per = -(-(ctx + 1) // bs)
     num_blocks = 1 + 2 * per
     table = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(2, per).to(torch.int32)
-    cache = allocate_kv_caches(name, 1, num_blocks, bs, h, d, dtype, DEVICE, num_residual_blocks=2 * per)[0]
+    cache = allocate_kv_caches(
+        name, 1, num_blocks, bs, h, d, dtype, DEVICE, num_residual_blocks=2 * per
+    )[0]
     pos = torch.arange(ctx)
     slots = (table[:, pos // bs].long() * bs + pos % bs).reshape(-1).to(DEVICE)
     k = (torch.randn(2 * ctx, h, d, generator=gen) * 2).to(dtype).to(DEVICE)
@@ -79,10 +81,10 @@ def _decode_case(name, dtype, bs, ctx, gen, window=None):
      ("fp8_e5m2", torch.float32, 16, None), ("int4_k8", torch.float16, 16, None)],
 )  # fmt: skip
 def test_triton_decode_splits_and_odd_blocks_match_twin(name, dtype, bs, window, gen, monkeypatch):
-    from kvcore_kernels import attention_triton
+    from kvcore_kernels import splits_triton
 
-    monkeypatch.setattr(attention_triton, "MIN_KEYS_PER_SPLIT", 32)
-    assert attention_triton.choose_num_splits(2 * 2, 200, torch.device("cpu")) > 1
+    monkeypatch.setattr(splits_triton, "MIN_KEYS_PER_SPLIT", 32)
+    assert splits_triton.choose_num_splits(2 * 2, 200, torch.device("cpu")) > 1
     a, b = _decode_case(name, dtype, bs, 200, gen, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(a.float(), b.float(), atol=tol, rtol=tol), (a - b).abs().max()

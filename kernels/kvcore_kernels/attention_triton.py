@@ -11,7 +11,7 @@ Its keys are ``[k_start, k_end)`` (causal end of its last token, window start of
 walked in ``BLOCK_N`` tiles through the block table with an online softmax in log2 units. With
 ``num_splits > 1`` (few tiles, long contexts: a decode batch of one still fills the GPU) split
 ``s`` takes the ``s``-th of ``num_splits`` contiguous shares of the tile's key range and writes
-its unnormalised partial (acc, max, sum); ``_merge_splits_kernel`` combines them (the
+its unnormalised partial (acc, max, sum); ``merge_splits_kernel`` combines them (the
 flash-decoding idea of Dao et al.).
 """
 
@@ -25,14 +25,12 @@ import triton.language as tl
 from kvcore_kernels.attention import check_attention_args
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
+from kvcore_kernels.splits_triton import choose_num_splits, merge_splits_kernel
 from kvcore_kernels.triton_util import check_triton_device, compute_dtype, is_interpreted
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # sliding_window=None: every key is within the window
 NO_WINDOW_C = tl.constexpr(NO_WINDOW)
-MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in merging than it gains
-MAX_SPLITS = 128
-PROGRAMS_PER_SM = 4  # split until the grid has this many programs per SM (num_kv_splits)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 MAX_QUERIES_PER_KV = 16
 
@@ -133,7 +131,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT_KV: tl.constexpr,  # num_splits > 1: write partials for _merge_splits_kernel
+    SPLIT_KV: tl.constexpr,  # num_splits > 1: write partials for merge_splits_kernel
     USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
@@ -236,40 +234,6 @@ _paged_attention_prefill = triton.autotune(
 )(_paged_attention_kernel)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
-def _merge_splits_kernel(
-    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
-    part_acc_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_DIM] fp32
-    part_max_ptr,  # [num_splits, num_tokens, num_q_heads] fp32, log2 units
-    part_sum_ptr,  # [num_splits, num_tokens, num_q_heads] fp32
-    num_tokens,
-    num_q_heads,
-    num_splits,
-    stride_out_tok,
-    stride_out_head,
-    HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
-):
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
-    split_ok = splits < num_splits
-    part = (splits * num_tokens + tok) * num_q_heads + head  # [SPLITS_PAD]
-    m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
-    l_s = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
-    m_all = tl.max(m, 0)  # finite: the split holding the query's own position saw a key
-    w = tl.exp2(m - m_all)  # [SPLITS_PAD], 0 for splits that saw no key
-    dims = tl.arange(0, HEAD_DIM)
-    acc = tl.load(  # [SPLITS_PAD, HEAD_DIM]
-        part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0
-    )
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)  # the sum is >= 1
-    tl.store(
-        out_ptr + tok * stride_out_tok + head * stride_out_head + dims,
-        o.to(out_ptr.dtype.element_ty),
-    )
-
-
 def _tiles(meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Work list: (request, first query) of every tile, longest key range first (on device)."""
     key = ("triton_tiles", block_q)
@@ -297,41 +261,6 @@ def _block_shape(decode_only: bool, group: int, row_bytes: int) -> tuple[int, in
     if decode_only:
         return max(16, triton.next_power_of_2(group)), block_n
     return (128 if narrow else (64 if row_bytes <= 512 else 32)), block_n
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small, so that tests reach the split path
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def num_kv_splits(
-    num_programs: int, max_keys: int, num_sms: int, block_n: int = 64, min_keys: int | None = None
-) -> int:
-    """Splits of every program's key range (flash-decoding) for a grid of ``num_programs`` =
-    query tiles x KV heads over ``max_keys`` keys on ``num_sms`` SMs: enough that the grid
-    reaches ``PROGRAMS_PER_SM`` programs per SM (a batch of one with 8 KV heads has 8 programs:
-    without splits 124 of an H200's 132 SMs idle, and a few resident programs per SM cannot keep
-    enough loads in flight to cover HBM latency), each split at least ``min_keys`` long (default
-    ``MIN_KEYS_PER_SPLIT``: shorter ones cost more to merge than they save), at most
-    ``MAX_SPLITS``, and none empty (every split gets whole ``block_n`` tiles). Pure function."""
-    min_keys = MIN_KEYS_PER_SPLIT if min_keys is None else min_keys
-    target = num_sms * PROGRAMS_PER_SM
-    if num_programs <= 0 or num_programs >= target:
-        return 1
-    splits = min(-(-target // num_programs), max_keys // max(1, min_keys), MAX_SPLITS)
-    if splits <= 1:
-        return 1
-    tiles = -(-max_keys // block_n)
-    per_split = max(1, tiles // splits, -(-tiles // MAX_SPLITS))  # whole tiles, rounded down
-    return max(1, -(-tiles // per_split))  # the kernel's cdiv(tiles, splits) leaves none empty
-
-
-def choose_num_splits(
-    num_programs: int, max_keys: int, device: torch.device, block_n: int = 64
-) -> int:
-    """``num_kv_splits`` on ``device``'s SM count (4 under the interpreter)."""
-    return num_kv_splits(num_programs, max_keys, _num_sms(device), block_n)
 
 
 def paged_attention_triton(
@@ -434,7 +363,7 @@ def paged_attention_triton(
     else:
         _paged_attention_prefill[grid](**args)
     if splits > 1:
-        _merge_splits_kernel[(meta.num_tokens, hq)](
+        merge_splits_kernel[(meta.num_tokens, hq)](
             out_ptr=out,
             part_acc_ptr=part_acc,
             part_max_ptr=part_max,

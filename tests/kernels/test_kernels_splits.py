@@ -2,7 +2,7 @@
 batch 1, leaves big grids alone, never makes a split too short or empty."""
 
 import pytest
-from kvcore_kernels.attention_triton import (
+from kvcore_kernels.splits_triton import (
     MAX_SPLITS,
     MIN_KEYS_PER_SPLIT,
     PROGRAMS_PER_SM,

@@ -1,7 +1,7 @@
 """Triton paged attention over a quantized cache: decoding happens in the K/V tile loads.
 
-The schedule is ``kvcore_kernels.attention_triton``'s (its work list ``_tiles``, split count
-``choose_num_splits`` and ``_merge_splits_kernel`` are reused as they are): grid ``(num_tiles,
+The schedule is ``kvcore_kernels.attention_triton``'s (its work list ``_tiles``; the split
+count and merge kernel of ``kvcore_kernels.splits_triton``): grid ``(num_tiles,
 num_kv_heads, num_splits)``, ``BLOCK_M`` rows = query tokens x the query heads of one KV head,
 an online softmax over ``BLOCK_N``-key tiles. Only the K/V loads differ: ``load_triton``'s
 ``_load_tile`` decodes a tile from the block rows (codes times scales) in registers.
@@ -19,9 +19,7 @@ from kvcore_kernels.attention_triton import (
     MAX_QUERIES_PER_KV,
     NO_WINDOW,
     SUPPORTED_HEAD_DIMS,
-    _merge_splits_kernel,
     _tiles,
-    choose_num_splits,
 )
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
@@ -37,6 +35,7 @@ from kvcore_kernels.quant.load_triton import (
     _token_meta,
     _unpack,
 )
+from kvcore_kernels.splits_triton import choose_num_splits, merge_splits_kernel
 from kvcore_kernels.triton_util import check_triton_device, compute_dtype
 
 
@@ -361,7 +360,7 @@ def paged_attention_quant_triton(
         num_warps=4 if decode_only else 8,
     )
     if splits > 1:
-        _merge_splits_kernel[(meta.num_tokens, hq)](
+        merge_splits_kernel[(meta.num_tokens, hq)](
             out_ptr=out,
             part_acc_ptr=part_acc,
             part_max_ptr=part_max,

@@ -28,8 +28,8 @@ class QuantKVCache:
 
     ``views[name]`` are typed strided views of the buffer's regions in the logical order
     (``[num_blocks, 2, bs, H, ...]``; KIVI's ``kmin``/``kcode`` ``[num_blocks, H, D]``) over
-    the head-segmented rows (``formats`` docstring). With ``rotate`` the stored K (and/or V) are ``x @ rotation``.
-    FP8 keeps per-layer scales ``fp8_scale`` float32 ``[2, H]`` (K, V)
+    the head-segmented rows (``formats`` docstring). With ``rotate`` the stored K (and/or V)
+    are ``x @ rotation``. FP8 keeps per-layer scales ``fp8_scale`` float32 ``[2, H]`` (K, V)
     set by the first store unless given. KIVI keeps ``residual`` ``[num_slots, 2, bs, H, D]``
     in the model dtype and the ``ResidualState`` shared by the model's KIVI layers.
     """

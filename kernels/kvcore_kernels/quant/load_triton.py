@@ -100,13 +100,17 @@ def _group_dequant(
             tl.float32, bitcast=True
         )
     else:
-        s = tl.load((seg[:, None] + SCALE_OFF).to(tl.pointer_type(tl.float16)) + g, mask=key_ok[:, None])
+        s = tl.load(
+            (seg[:, None] + SCALE_OFF).to(tl.pointer_type(tl.float16)) + g, mask=key_ok[:, None]
+        )
         s = s.to(tl.float32)
     if MIN8:
         lo = tl.load(seg[:, None] + MIN_OFF + g, mask=key_ok[:, None], other=0)
         lo = lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16.0
     else:
-        lo = tl.load((seg[:, None] + MIN_OFF).to(tl.pointer_type(tl.float16)) + g, mask=key_ok[:, None])
+        lo = tl.load(
+            (seg[:, None] + MIN_OFF).to(tl.pointer_type(tl.float16)) + g, mask=key_ok[:, None]
+        )
         lo = lo.to(tl.float32)
     x = tl.reshape(codes.to(tl.float32), (BLOCK_N, ng, GROUP))
     x = x * s[:, :, None] + lo[:, :, None]
@@ -130,7 +134,9 @@ def _kivi_keys(
     nb: tl.constexpr = BLOCK_N // PB
     dims = tl.arange(0, HEAD_DIM)
     m = unit_ok[:, None]
-    lo = tl.load((unit_seg[:, None] + KMIN_OFF).to(tl.pointer_type(tl.float16)) + dims[None, :], mask=m)
+    lo = tl.load(
+        (unit_seg[:, None] + KMIN_OFF).to(tl.pointer_type(tl.float16)) + dims[None, :], mask=m
+    )
     code = tl.load(unit_seg[:, None] + KCODE_OFF + dims[None, :], mask=m, other=0).to(tl.int32)
     s = ((((code >> 3) - KCODE_EXP_BIAS + 127) << 23) | ((code & 7) << 20)).to(
         tl.float32, bitcast=True
@@ -173,4 +179,3 @@ def _residual_rows(
         + dims[None, :]
     )
     return tl.load(ptr, mask=staged[:, None], other=0.0).to(tl.float32)
-
