@@ -72,7 +72,8 @@ def _load_codes(
     width: tl.constexpr = HEAD_DIM * BITS // 8
     cols = tl.arange(0, width)
     row = (KV * BLOCK_SIZE + pos).to(tl.int64) * width  # [N] byte offset in the segment
-    return tl.load(seg[:, None] + DATA_OFF + row[:, None] + cols[None, :], mask=key_ok[:, None])
+    ptr = seg[:, None] + DATA_OFF + row[:, None] + cols[None, :]
+    return tl.load(ptr, mask=key_ok[:, None], other=0)  # 0: a finite value in every format
 
 
 @triton.jit
@@ -91,7 +92,8 @@ def _group_dequant(
     KCODE_EXP_BIAS: tl.constexpr,
 ):
     """Per-token groupwise codes -> fp32 ``[N, HEAD_DIM]``: one ``[N, G]`` load of scales and
-    of minima, broadcast over each group's elements."""
+    of minima, broadcast over each group's elements. Masked rows read 0 (finite: their
+    probabilities are 0, and 0 * NaN would poison the P.V dot)."""
     ng: tl.constexpr = HEAD_DIM // GROUP
     g = pos[:, None] * ng + tl.arange(0, ng)[None, :]  # [N, G]
     if KIND == 3:
@@ -101,7 +103,9 @@ def _group_dequant(
         )
     else:
         s = tl.load(
-            (seg[:, None] + SCALE_OFF).to(tl.pointer_type(tl.float16)) + g, mask=key_ok[:, None]
+            (seg[:, None] + SCALE_OFF).to(tl.pointer_type(tl.float16)) + g,
+            mask=key_ok[:, None],
+            other=0.0,
         )
         s = s.to(tl.float32)
     if MIN8:
@@ -109,7 +113,9 @@ def _group_dequant(
         lo = lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16.0
     else:
         lo = tl.load(
-            (seg[:, None] + MIN_OFF).to(tl.pointer_type(tl.float16)) + g, mask=key_ok[:, None]
+            (seg[:, None] + MIN_OFF).to(tl.pointer_type(tl.float16)) + g,
+            mask=key_ok[:, None],
+            other=0.0,
         )
         lo = lo.to(tl.float32)
     x = tl.reshape(codes.to(tl.float32), (BLOCK_N, ng, GROUP))
@@ -135,7 +141,9 @@ def _kivi_keys(
     dims = tl.arange(0, HEAD_DIM)
     m = unit_ok[:, None]
     lo = tl.load(
-        (unit_seg[:, None] + KMIN_OFF).to(tl.pointer_type(tl.float16)) + dims[None, :], mask=m
+        (unit_seg[:, None] + KMIN_OFF).to(tl.pointer_type(tl.float16)) + dims[None, :],
+        mask=m,
+        other=0.0,
     )
     code = tl.load(unit_seg[:, None] + KCODE_OFF + dims[None, :], mask=m, other=0).to(tl.int32)
     s = ((((code >> 3) - KCODE_EXP_BIAS + 127) << 23) | ((code & 7) << 20)).to(
