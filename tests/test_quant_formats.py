@@ -19,11 +19,11 @@ from kvcore_kernels.quant.codecs import (
     kcode_to_scale,
     kivi_decode_blocks,
     kivi_encode_blocks,
-    min8_decode,
-    min8_encode,
     pack_codes,
     rotation_matrix,
     unpack_codes,
+    zp_encode,
+    zp_min,
 )
 
 TARGETS = {"fp8_e4m3": 0.53, "fp8_e5m2": 0.53, "int8": 0.53, "int4": 0.30, "kivi2": 0.19}
@@ -82,11 +82,15 @@ def test_fp8_rounding_matches_torch_cast():
         assert torch.equal(fp8_round(x, dtype).to(dtype).float(), x.to(dtype).float())
 
 
-def test_min8_rounds_down_within_an_eighth():
-    lo = torch.cat([torch.randn(5000) * 30, torch.randn(5000) * 1e-2, torch.zeros(3)])
-    back = min8_decode(min8_encode(lo))
-    assert (back <= lo).all()
-    assert (lo - back <= lo.abs() * 0.125 + 2.0**-9 * 16).all()
+def test_zero_point_grid_covers_the_group_within_an_eighth_step():
+    x = torch.cat([torch.randn(4000, 16) * 3, torch.randn(500, 16) * 1e-3 + 5, torch.zeros(1, 16)])
+    lo, hi = x.amin(-1), x.amax(-1)
+    code, s, z = zp_encode(lo, hi, 15)
+    start = zp_min(z, s)
+    assert (start <= lo).all() and (start + 15 * s >= hi).all()
+    centred = lo.abs() < 15 * s  # the int8 range binds only for groups far from 0
+    assert (lo - start)[centred].le(s[centred] / 8 * 1.0001).all()
+    assert torch.equal(kcode_to_scale(code), s)
 
 
 def test_scale_code_rounds_up_within_an_eighth():
@@ -120,10 +124,13 @@ def test_token_codecs_error_bounds(name):
         g = fmt.groups[0]
         xg = x.view(50, 3, 64 // g, g)
         lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
-        # an 8-bit minimum is rounded down by at most 1/8 of |min|; the e5m3 step up by 1/8
-        widen = lo.abs() * 0.125 if fmt.min8 else 0.0
         slack = 1.125 if fmt.bits == 4 else 1.001
-        step = (hi - lo + widen) / levels * slack
+        step = (hi - lo) / levels * slack
+        if fmt.min8:  # the zero point's scale (codecs.zp_encode), rounded up by <= 1/8
+            need = torch.maximum(
+                (hi - lo) / (levels - 0.125), torch.where(lo < 0, -lo, lo) / 15.875
+            )
+            step = need * slack
         assert (err.view(50, 3, 64 // g, g) <= step * 0.5 + 1e-3).all()
 
 

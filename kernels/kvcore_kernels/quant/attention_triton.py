@@ -75,7 +75,7 @@ def _paged_attention_quant_kernel(
     BITS: tl.constexpr,
     K_GROUP: tl.constexpr,  # intg: group sizes of K and V along the head dim
     V_GROUP: tl.constexpr,
-    MIN8: tl.constexpr,  # intg: 8-bit minima
+    MIN8: tl.constexpr,  # intg: int8 zero points
     HEAD_BYTES: tl.constexpr,  # one head segment of a block row
     DATA_OFF: tl.constexpr,
     META0_OFF: tl.constexpr,

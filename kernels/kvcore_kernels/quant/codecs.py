@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore_kernels.quant.formats import KCODE_EXP_BIAS, KCODE_MAX, KCODE_MIN, MIN8_SCALE, KVFormat
+from kvcore_kernels.quant.formats import KCODE_EXP_BIAS, KCODE_MAX, KCODE_MIN, ZP_STEPS, KVFormat
 
 FP16_TINY = 2.0**-14  # smallest normal fp16: the floor of every stored scale
 FP16_MAX = 65504.0
@@ -94,21 +94,23 @@ def fp8_calibrate(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale)).contiguous()
 
 
-def min8_encode(lo: torch.Tensor) -> torch.Tensor:
-    """fp32 group minima -> uint8 codes of ``lo / MIN8_SCALE`` as FP8 E4M3, rounded DOWN (the
-    decoded minimum is <= ``lo``, so the quantization grid still starts below the group)."""
-    y = (lo.float() / MIN8_SCALE).clamp(-448.0, 448.0)
-    code = fp8_round(y, torch.float8_e4m3fn).to(torch.float8_e4m3fn).view(torch.uint8).int()
-    near = code.to(torch.uint8).view(torch.float8_e4m3fn).float()
-    # one step toward -inf where the nearest value is above: magnitude down for positive
-    # codes, up for negative ones; +-0 steps to the smallest negative subnormal (0x81)
-    down = torch.where(near > 0, code - 1, torch.where(near == 0, 0x81, code + 1))
-    return torch.where(near > y, down, code).to(torch.uint8)
+def zp_encode(lo: torch.Tensor, hi: torch.Tensor, levels: int):
+    """Group ``[lo, hi]`` (fp32) -> (e5m3 scale code, scale, int8 zero point ``z``) with the
+    grid ``z * s / ZP_STEPS + q * s``, q = 0..levels: ``z = floor(lo * 8 / s)`` starts the grid
+    at most ``s / 8`` below ``lo``, and ``s >= (hi - lo) / (levels - 1/8)`` (rounded up) still
+    reaches ``hi``. ``s`` is raised where ``lo / s`` would leave int8's range (groups far from
+    0 relative to their width)."""
+    need = (hi - lo) / (levels - 1.0 / ZP_STEPS)
+    need = torch.maximum(need, torch.where(lo < 0, -lo / 16.0, lo / 15.875))
+    code = kcode_encode(need)
+    s = kcode_to_scale(code)
+    z = torch.floor(lo * ZP_STEPS / s).clamp(-128, 127)
+    return code, s, z.to(torch.int8)
 
 
-def min8_decode(code: torch.Tensor) -> torch.Tensor:
-    """float32 minima of uint8 ``min8_encode`` codes (exact)."""
-    return code.view(torch.float8_e4m3fn).float() * MIN8_SCALE
+def zp_min(z: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The grid start ``z * s / ZP_STEPS`` (fp32, exact) of int8 zero points and scales."""
+    return z.float() * s / ZP_STEPS
 
 
 def encode_tokens(
@@ -118,8 +120,8 @@ def encode_tokens(
     leading ``[T, ...]`` (``formats.token_regions`` names their regions).
 
     fp8: ``data``; int8: ``data, scale``; int4 / int2: ``data, scale, min`` in groups of
-    ``fmt.groups[which]`` (int4's scale is an e5m3 code, its min an 8-bit code with
-    ``fmt.min8``). ``fp8_scale``: float32 ``[H]`` (fp8 only).
+    ``fmt.groups[which]`` (int4's scale is an e5m3 code; with ``fmt.min8`` its min is an int8
+    zero point, ``zp_encode``). ``fp8_scale``: float32 ``[H]`` (fp8 only).
     """
     x = x.float()
     if fmt.kind == "fp8":
@@ -135,12 +137,13 @@ def encode_tokens(
     group = fmt.groups[which]
     xg = x.view(t, h, d // group, group)
     levels = (1 << fmt.bits) - 1
-    if fmt.min8:
-        lo_code = min8_encode(xg.amin(-1))
-        lo = min8_decode(lo_code)
-    else:
-        lo = xg.amin(-1).clamp(-FP16_MAX, FP16_MAX).half().float()
-        lo_code = lo.half()
+    if fmt.min8:  # int8 zero point in eighths of the scale (zp_encode)
+        code, s, lo_code = zp_encode(xg.amin(-1), xg.amax(-1), levels)
+        lo = zp_min(lo_code, s)
+        q = rnd((xg - lo[..., None]) / s[..., None]).clamp(0, levels)
+        return {"data": pack_codes(q.view(t, h, d), fmt.bits), "scale": code, "min": lo_code}
+    lo = xg.amin(-1).clamp(-FP16_MAX, FP16_MAX).half().float()
+    lo_code = lo.half()
     if fmt.bits == 4:
         code = kcode_encode((xg.amax(-1) - lo) / levels)
         s = kcode_to_scale(code)
@@ -166,7 +169,7 @@ def decode_tokens(
     group = fmt.groups[which]
     qg = q.view(t, h, d // group, group)
     s = kcode_to_scale(parts["scale"]) if fmt.bits == 4 else parts["scale"].float()
-    lo = min8_decode(parts["min"]) if fmt.min8 else parts["min"].float()
+    lo = zp_min(parts["min"], s) if fmt.min8 else parts["min"].float()
     return (qg * s[..., None] + lo[..., None]).view(t, h, d)
 
 

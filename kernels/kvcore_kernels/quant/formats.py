@@ -20,9 +20,9 @@ Each format cuts a head segment into named regions (``H`` = num_kv_heads, ``D`` 
                scale   [2, bs]                float16  s = amax / 127      per token per head
     int4       data    [2, bs, D/2]           uint8    2 codes per byte    asymmetric
                kscale  [bs, D/16]             uint8    s = range / 15 as an e5m3 code (below)
-               kmin    [bs, D/16]             uint8    x = q * s + min, min an 8-bit float (below)
+               kmin    [bs, D/16]             int8     z: x = (q + z / 8) * s  (zero point, below)
                vscale  [bs, D/32]             uint8    values: groups of 32
-               vmin    [bs, D/32]             uint8
+               vmin    [bs, D/32]             int8
     int4_k8    as int4 with keys in groups of 8: kscale / kmin [bs, D/8]
     int2       data    [2, bs, D/4]           uint8    4 codes per byte    plain per-token 2-bit
                kscale  [bs, G]                float16  s = range / 3       (the KIVI baseline)
@@ -41,10 +41,13 @@ model's ``[2, bs, H, ...]`` order has it (``Region.head_axis``), so the codecs s
 Packed codes: element ``d`` of a row lives in byte ``d * b // 8`` at bit ``(d % (8 // b)) * b``.
 An e5m3 code is a scale as an unsigned 8-bit float (5 exponent bits, bias 16, 3 mantissa bits:
 2^-16 .. 61440) rounded UP, so the encoded range always covers the group's (at most 12.5%
-coarser than exact). An 8-bit minimum (int4) is ``min / 16`` as FP8 E4M3 rounded DOWN (range
-+-7168): the grid then starts at or below the group's minimum and the scale is computed from
-the stored minimum, so the error stays within half a step; it frees the byte that pays for
-int4's key groups of 16 (keys are what suffers at 4 bits) at int4's old bytes per token.
+coarser than exact). int4's minimum is an int8 zero point ``z`` in eighths of the scale
+(``codecs.zp_encode``): the grid starts at ``z * s / 8``, at most ``s / 8`` below the group's
+minimum, and the scale is sized so that the grid still reaches the maximum, so the error stays
+within half a step. It costs one byte where an fp16 minimum costs two, which pays for int4's key
+groups of 16 (keys are what suffers at 4 bits) at int4's old bytes per token. (An integer zero
+point, z in whole steps, snaps the grid by up to a step: +2% perplexity on SmolLM2; an FP8
+minimum is off by up to 1/8 of the minimum itself, about a step for centred groups.)
 
 Key rotation (``KVFormat.rotate``): formats marked "k" store ``k @ R`` and attention uses
 ``q @ R`` (``R``: a D x D orthonormal Hadamard matrix with seeded random signs, QuaRot's
@@ -74,7 +77,7 @@ from kvcore_kernels.errors import KernelConfigError
 
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GROUP = 32  # default int4 / int2 group along the head dimension
-MIN8_SCALE = 16.0  # an 8-bit minimum stores min / MIN8_SCALE as FP8 E4M3 (range +-7168)
+ZP_STEPS = 8  # an int8 zero point counts the grid start in 1/8 steps of the scale
 ROW_ALIGN = 16  # block rows are padded to a multiple of this many bytes
 KCODE_EXP_BIAS = 16  # KIVI key scale code: an unsigned e5m3 float, 2^(e - 16) * (1 + m / 8)
 KCODE_MIN = 2.0**-16  # code 0
@@ -94,7 +97,7 @@ class KVFormat:
     description: str = ""
     rotate: str = ""  # "", "k", "v" or "kv": Hadamard-rotate keys / values (docstring)
     groups: tuple[int, int] = (GROUP, GROUP)  # intg: K and V group sizes along the head dim
-    min8: bool = False  # intg: group minima as 8-bit floats rounded down (else fp16)
+    min8: bool = False  # intg: group minima as int8 zero points in 1/8 steps (else fp16)
 
     @property
     def quantized(self) -> bool:
@@ -247,7 +250,7 @@ def block_layout(fmt: KVFormat, block_size: int, num_kv_heads: int, head_dim: in
         specs.append(("scale", (2, bs), torch.float16, 2))
     elif fmt.kind == "intg":  # K and V each: [bs, G] scales and minima (their own group size)
         scale_dtype = torch.uint8 if fmt.bits == 4 else torch.float16
-        min_dtype = torch.uint8 if fmt.min8 else torch.float16
+        min_dtype = torch.int8 if fmt.min8 else torch.float16
         for kv, group in zip("kv", fmt.groups, strict=True):
             specs.append((kv + "scale", (bs, d // group), scale_dtype, 1))
             specs.append((kv + "min", (bs, d // group), min_dtype, 1))

@@ -83,7 +83,7 @@ def _group_dequant(
     pos,
     key_ok,
     KIND: tl.constexpr,  # 3: int4 (e5m3 scale code), 4: int2 (fp16 scale)
-    MIN8: tl.constexpr,  # minima as 8-bit codes (codecs.min8_encode), else fp16
+    MIN8: tl.constexpr,  # minima as int8 zero points (codecs.zp_encode), else fp16
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,  # this K or V's group size
@@ -108,9 +108,9 @@ def _group_dequant(
             other=0.0,
         )
         s = s.to(tl.float32)
-    if MIN8:
-        lo = tl.load(seg[:, None] + MIN_OFF + g, mask=key_ok[:, None], other=0)
-        lo = lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16.0
+    if MIN8:  # int8 zero point: the grid starts at z * s / 8
+        z = tl.load(seg[:, None] + MIN_OFF + g, mask=key_ok[:, None], other=0)
+        lo = z.to(tl.int8, bitcast=True).to(tl.float32) * s / 8.0
     else:
         lo = tl.load(
             (seg[:, None] + MIN_OFF).to(tl.pointer_type(tl.float16)) + g,

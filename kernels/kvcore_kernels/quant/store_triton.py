@@ -58,14 +58,13 @@ def _scale_code(exact):
 
 
 @triton.jit
-def _min8_code(lo):
-    """``codecs.min8_encode``: (uint8 code of lo / 16 as FP8 E4M3 rounded down, its fp32 value)."""
-    y = tl.minimum(tl.maximum(lo / 16.0, -448.0), 448.0)
-    near = _fp8_round(y, 3, -6)
-    code = near.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-    down = tl.where(near > 0, code - 1, tl.where(near == 0, 0x81, code + 1))
-    code = tl.where(near > y, down, code).to(tl.uint8)
-    return code, code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16.0
+def _zp_code(lo, hi, levels: tl.constexpr):
+    """``codecs.zp_encode``: (e5m3 scale code, scale, int8 zero point, grid start) of groups."""
+    need = (hi - lo) / (levels - 0.125)
+    need = tl.maximum(need, tl.where(lo < 0, -lo / 16.0, lo / 15.875))
+    code, s = _scale_code(need)
+    z = tl.minimum(tl.maximum(tl.floor(lo * 8.0 / s), -128.0), 127.0)
+    return code, s, z.to(tl.int8), z * s / 8.0
 
 
 @triton.jit
@@ -84,7 +83,7 @@ def _encode_token(
     KIND: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,  # intg: this K or V's group size
-    MIN8: tl.constexpr,  # intg: 8-bit minima (codecs.min8_encode)
+    MIN8: tl.constexpr,  # intg: int8 zero points (codecs.zp_encode), else fp16 minima
     DATA_OFF: tl.constexpr,
     META0_OFF: tl.constexpr,  # int8: scale [2, bs]; intg: this K or V's scale region
     META1_OFF: tl.constexpr,  # intg: this K or V's min region
@@ -110,14 +109,15 @@ def _encode_token(
         ng: tl.constexpr = HEAD_DIM // GROUP
         levels: tl.constexpr = (1 << BITS) - 1
         xg = tl.reshape(x, (HEADS_PAD, ng, GROUP))
-        if MIN8:
-            lo, lof = _min8_code(tl.min(xg, 2))
+        if MIN8:  # int8 zero point in eighths of the scale
+            code, s, lo, lof = _zp_code(tl.min(xg, 2), tl.max(xg, 2), levels)
+        elif KIND == 3:
+            lo = tl.minimum(tl.maximum(tl.min(xg, 2), -65504.0), 65504.0).to(tl.float16)
+            lof = lo.to(tl.float32)
+            code, s = _scale_code((tl.max(xg, 2) - lof) / levels)
         else:
             lo = tl.minimum(tl.maximum(tl.min(xg, 2), -65504.0), 65504.0).to(tl.float16)
             lof = lo.to(tl.float32)
-        if KIND == 3:
-            code, s = _scale_code((tl.max(xg, 2) - lof) / levels)
-        else:
             code = tl.minimum(tl.maximum((tl.max(xg, 2) - lof) / levels, 6.103515625e-05), 65504.0)
             code = code.to(tl.float16)
             s = code.to(tl.float32)
@@ -134,7 +134,7 @@ def _encode_token(
             meta0 = (seg[:, None] + META0_OFF).to(tl.pointer_type(tl.float16))
             tl.store(meta0 + g, code, mask=ok[:, None])
         if MIN8:
-            tl.store(seg[:, None] + META1_OFF + g, lo, mask=ok[:, None])
+            tl.store(seg[:, None] + META1_OFF + g, lo.to(tl.uint8, bitcast=True), mask=ok[:, None])
         else:
             meta1 = (seg[:, None] + META1_OFF).to(tl.pointer_type(tl.float16))
             tl.store(meta1 + g, lo, mask=ok[:, None])
