@@ -22,6 +22,8 @@ from kvcore_kernels.quant.codecs import (
     pack_codes,
     rotation_matrix,
     unpack_codes,
+    zp_encode,
+    zp_min,
 )
 
 TARGETS = {"fp8_e4m3": 0.53, "fp8_e5m2": 0.53, "int8": 0.53, "int4": 0.30, "kivi2": 0.19}
@@ -80,6 +82,17 @@ def test_fp8_rounding_matches_torch_cast():
         assert torch.equal(fp8_round(x, dtype).to(dtype).float(), x.to(dtype).float())
 
 
+def test_zero_point_grid_covers_the_group_within_an_eighth_step():
+    x = torch.cat([torch.randn(4000, 16) * 3, torch.randn(500, 16) * 1e-3 + 5, torch.zeros(1, 16)])
+    lo, hi = x.amin(-1), x.amax(-1)
+    code, s, z = zp_encode(lo, hi, 15)
+    start = zp_min(z, s)
+    assert (start <= lo).all() and (start + 15 * s >= hi).all()
+    centred = lo.abs() < 15 * s  # the int8 range binds only for groups far from 0
+    assert (lo - start)[centred].le(s[centred] / 8 * 1.0001).all()
+    assert torch.equal(kcode_to_scale(code), s)
+
+
 def test_scale_code_rounds_up_within_an_eighth():
     s = torch.rand(10000) * 100 + 1e-3
     back = kcode_to_scale(kcode_encode(s))
@@ -92,7 +105,7 @@ def test_rotation_is_orthonormal():
         assert torch.allclose(r @ r.T, torch.eye(d), atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4_k8", "int2", "fp8_e4m3", "fp8_e5m2"])
 def test_token_codecs_error_bounds(name):
     fmt = get_format(name)
     x = torch.randn(50, 3, 64) * 4
@@ -106,12 +119,19 @@ def test_token_codecs_error_bounds(name):
     elif name == "int8":  # half a step of amax / 127
         step = x.abs().amax(-1, keepdim=True) / 127
         assert (err <= step * 0.51 + 1e-6).all()
-    else:  # half a step of the group's range (the int4 step is rounded up by <= 1/8)
-        levels = 15 if name == "int4" else 3
-        xg = x.view(50, 3, 2, 32)
-        step = (xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) / levels
-        slack = 1.125 if name == "int4" else 1.001
-        assert (err.view(50, 3, 2, 32) <= step * 0.5 * slack + 1e-3).all()
+    else:  # half a step of the group's range (K groups: fmt.groups[0])
+        levels = 15 if fmt.bits == 4 else 3
+        g = fmt.groups[0]
+        xg = x.view(50, 3, 64 // g, g)
+        lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+        slack = 1.125 if fmt.bits == 4 else 1.001
+        step = (hi - lo) / levels * slack
+        if fmt.min8:  # the zero point's scale (codecs.zp_encode), rounded up by <= 1/8
+            need = torch.maximum(
+                (hi - lo) / (levels - 0.125), torch.where(lo < 0, -lo, lo) / 15.875
+            )
+            step = need * slack
+        assert (err.view(50, 3, 64 // g, g) <= step * 0.5 + 1e-3).all()
 
 
 def test_kivi_codec_keys_per_channel_values_per_token():

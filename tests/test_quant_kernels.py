@@ -28,7 +28,9 @@ def gen(request):
     return torch.Generator().manual_seed(seed)
 
 
-QUANT = ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3_tensor", "int8", "int4", "int2", "kivi4", "kivi2"]
+QUANT = [
+    "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_tensor", "int8", "int4", "int4_k8", "int2", "kivi4", "kivi2"
+]  # fmt: skip
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BS, H, HQ, D = 16, 2, 6, 64
 

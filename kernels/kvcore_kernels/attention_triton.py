@@ -11,7 +11,7 @@ Its keys are ``[k_start, k_end)`` (causal end of its last token, window start of
 walked in ``BLOCK_N`` tiles through the block table with an online softmax in log2 units. With
 ``num_splits > 1`` (few tiles, long contexts: a decode batch of one still fills the GPU) split
 ``s`` takes the ``s``-th of ``num_splits`` contiguous shares of the tile's key range and writes
-its unnormalised partial (acc, max, sum); ``_merge_splits_kernel`` combines them (the
+its unnormalised partial (acc, max, sum); ``merge_splits_kernel`` combines them (the
 flash-decoding idea of Dao et al.).
 """
 
@@ -25,14 +25,74 @@ import triton.language as tl
 from kvcore_kernels.attention import check_attention_args
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
-from kvcore_kernels.triton_util import check_triton_device, compute_dtype
+from kvcore_kernels.splits_triton import choose_num_splits, merge_splits_kernel
+from kvcore_kernels.triton_util import check_triton_device, compute_dtype, is_interpreted
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # sliding_window=None: every key is within the window
-MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in merging than it gains
-MAX_SPLITS = 64
+NO_WINDOW_C = tl.constexpr(NO_WINDOW)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 MAX_QUERIES_PER_KV = 16
+
+
+@triton.jit
+def _tile_step(
+    acc,  # [BLOCK_M, HEAD_DIM] fp32 running output
+    m_i,  # [BLOCK_M] running max (log2 units)
+    l_i,  # [BLOCK_M] running sum
+    q,  # [BLOCK_M, HEAD_DIM] COMPUTE_DTYPE
+    q_pos,  # [BLOCK_M] position of each row's token
+    slope,  # [BLOCK_M] ALiBi slope * log2(e) (if USE_ALIBI)
+    cache_head,  # pointer: the cache at this KV head
+    table_row,  # pointer: this request's block table row
+    first_key,  # position of the tile's first key
+    k_end,
+    qk_scale,
+    soft_cap,
+    sliding_window,
+    stride_cache_block,
+    stride_cache_kv,
+    stride_cache_slot,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
+    USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One ``BLOCK_N``-key tile of the online softmax: returns the updated (acc, m_i, l_i)."""
+    keys = first_key + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
+    dims = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        key_ok = keys < k_end
+        block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    else:
+        block = tl.load(table_row + keys // BLOCK_SIZE).to(tl.int64)
+    kv_offset = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
+    kv_ptrs = cache_head + kv_offset[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
+    if MASKED:
+        k = tl.load(kv_ptrs, mask=key_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
+        v = tl.load(kv_ptrs + stride_cache_kv, mask=key_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
+    else:
+        k = tl.load(kv_ptrs).to(COMPUTE_DTYPE)
+        v = tl.load(kv_ptrs + stride_cache_kv).to(COMPUTE_DTYPE)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if USE_SOFTCAP:
+        s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
+    if USE_ALIBI:
+        s += slope[:, None] * (keys[None, :] - q_pos[:, None]).to(tl.float32)
+    if MASKED:
+        ok = (keys[None, :] <= q_pos[:, None]) & (q_pos[:, None] - keys[None, :] < sliding_window)
+        s = tl.where(ok & key_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key seen yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["sliding_window", "num_splits", "num_tokens"])
@@ -55,6 +115,7 @@ def _paged_attention_kernel(
     num_splits,  # grid axis 2; a runtime value, so split counts share one compiled kernel
     num_tokens,
     num_q_heads,
+    tune_bucket,  # unused by the body: the autotuner's key (log2 of the step's query count)
     stride_query_tok,
     stride_query_head,
     stride_cache_block,
@@ -70,7 +131,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT_KV: tl.constexpr,  # num_splits > 1: write partials for _merge_splits_kernel
+    SPLIT_KV: tl.constexpr,  # num_splits > 1: write partials for merge_splits_kernel
     USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
@@ -101,6 +162,7 @@ def _paged_attention_kernel(
         mask=row_ok[:, None],
         other=0.0,
     ).to(COMPUTE_DTYPE)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
         slope = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
 
@@ -116,30 +178,24 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     cache_head = kv_cache_ptr + kv_head * stride_cache_head
-    for t in range(t_begin, t_end):
-        keys = k_start + t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
-        key_ok = keys < k_end
-        block = tl.load(
-            block_table_ptr + req * stride_table_req + keys // BLOCK_SIZE, mask=key_ok, other=0
-        ).to(tl.int64)
-        kv_offset = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
-        kv_ptrs = cache_head + kv_offset[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
-        k = tl.load(kv_ptrs, mask=key_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
-        v = tl.load(kv_ptrs + stride_cache_kv, mask=key_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        if USE_SOFTCAP:
-            s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
-        if USE_ALIBI:
-            s += slope[:, None] * (keys[None, :] - q_pos[:, None]).to(tl.float32)
-        ok = (keys[None, :] <= q_pos[:, None]) & (q_pos[:, None] - keys[None, :] < sliding_window)
-        s = tl.where(ok & key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key seen yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    table_row = block_table_ptr + req * stride_table_req
+    # Tiles whose every key precedes every query row of the tile (and no window): no causal,
+    # window or bounds mask (the tutorial's on-/off-diagonal split); the rest are masked.
+    n_full = tl.where(sliding_window >= NO_WINDOW_C, (ctx + q_first - k_start + 1) // BLOCK_N, 0)
+    for t in range(t_begin, tl.minimum(t_end, n_full)):
+        acc, m_i, l_i = _tile_step(
+            acc, m_i, l_i, q, q_pos, slope, cache_head, table_row, k_start + t * BLOCK_N, k_end,
+            qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_kv,
+            stride_cache_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, USE_SOFTCAP, USE_ALIBI,
+            COMPUTE_DTYPE, DOT_PRECISION,
+        )  # fmt: skip
+    for t in range(tl.maximum(t_begin, n_full), t_end):
+        acc, m_i, l_i = _tile_step(
+            acc, m_i, l_i, q, q_pos, slope, cache_head, table_row, k_start + t * BLOCK_N, k_end,
+            qk_scale, soft_cap, sliding_window, stride_cache_block, stride_cache_kv,
+            stride_cache_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, USE_SOFTCAP, USE_ALIBI,
+            COMPUTE_DTYPE, DOT_PRECISION,
+        )  # fmt: skip
 
     if not SPLIT_KV:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0 only on padding rows
@@ -158,38 +214,24 @@ def _paged_attention_kernel(
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
-def _merge_splits_kernel(
-    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
-    part_acc_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_DIM] fp32
-    part_max_ptr,  # [num_splits, num_tokens, num_q_heads] fp32, log2 units
-    part_sum_ptr,  # [num_splits, num_tokens, num_q_heads] fp32
-    num_tokens,
-    num_q_heads,
-    num_splits,
-    stride_out_tok,
-    stride_out_head,
-    HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
-):
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
-    split_ok = splits < num_splits
-    part = (splits * num_tokens + tok) * num_q_heads + head  # [SPLITS_PAD]
-    m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
-    l_s = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
-    m_all = tl.max(m, 0)  # finite: the split holding the query's own position saw a key
-    w = tl.exp2(m - m_all)  # [SPLITS_PAD], 0 for splits that saw no key
-    dims = tl.arange(0, HEAD_DIM)
-    acc = tl.load(  # [SPLITS_PAD, HEAD_DIM]
-        part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0
+# Prefill / mixed steps: tiles and pipeline depth autotuned per (head dim, GQA group, BLOCK_M,
+# step size bucket) on the GPU (Hopper wants deeper K/V pipelines: num_stages 3-4); the
+# interpreter and decode steps launch the plain kernel with fixed choices (_block_shape).
+PREFILL_CONFIGS = [
+    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+    for bn, w, st in (
+        (64, 8, 2),
+        (64, 8, 3),
+        (64, 4, 3),
+        (64, 8, 4),
+        (128, 8, 2),
+        (128, 8, 3),
+        (32, 4, 4),
     )
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)  # the sum is >= 1
-    tl.store(
-        out_ptr + tok * stride_out_tok + head * stride_out_head + dims,
-        o.to(out_ptr.dtype.element_ty),
-    )
+]
+_paged_attention_prefill = triton.autotune(
+    PREFILL_CONFIGS, key=["HEAD_DIM", "QUERIES_PER_KV", "BLOCK_M", "SPLIT_KV", "tune_bucket"]
+)(_paged_attention_kernel)
 
 
 def _tiles(meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,20 +261,6 @@ def _block_shape(decode_only: bool, group: int, row_bytes: int) -> tuple[int, in
     if decode_only:
         return max(16, triton.next_power_of_2(group)), block_n
     return (128 if narrow else (64 if row_bytes <= 512 else 32)), block_n
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small, so that tests reach the split path
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose_num_splits(num_programs: int, max_keys: int, device: torch.device) -> int:
-    """Split the key range when the grid alone would leave the GPU half idle."""
-    target = 2 * _num_sms(device)
-    if num_programs >= target:
-        return 1
-    return max(1, min(-(-target // num_programs), max_keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 def paged_attention_triton(
@@ -276,7 +304,7 @@ def paged_attention_triton(
         if sliding_window is None
         else min(meta.max_seq_len, sliding_window + block_q)
     )
-    splits = choose_num_splits(num_tiles * hk, keys, query.device)
+    splits = choose_num_splits(num_tiles * hk, keys, query.device, block_n)
     if splits > 1:
         part_acc = torch.empty(
             (splits, meta.num_tokens, hq, d), dtype=torch.float32, device=query.device
@@ -287,7 +315,7 @@ def paged_attention_triton(
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # never touched
-    _paged_attention_kernel[(num_tiles, hk, splits)](
+    args = dict(
         query_ptr=query,
         kv_cache_ptr=kv_cache,
         block_table_ptr=meta.block_table,
@@ -319,18 +347,23 @@ def paged_attention_triton(
         QUERIES_PER_KV=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
         num_splits=splits,
+        tune_bucket=int(meta.num_tokens).bit_length(),
         SPLIT_KV=splits > 1,
         USE_SOFTCAP=soft_cap is not None,
         USE_ALIBI=alibi_slopes is not None,
         COMPUTE_DTYPE=compute_dtype(query.dtype, _paged_attention_kernel),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m <= 16 else 8,
-        num_stages=2,
     )
+    grid = (num_tiles, hk, splits)
+    if meta.max_q_len == 1 or is_interpreted(_paged_attention_kernel):
+        _paged_attention_kernel[grid](
+            **args, BLOCK_N=block_n, num_warps=4 if block_m <= 16 else 8, num_stages=2
+        )
+    else:
+        _paged_attention_prefill[grid](**args)
     if splits > 1:
-        _merge_splits_kernel[(meta.num_tokens, hq)](
+        merge_splits_kernel[(meta.num_tokens, hq)](
             out_ptr=out,
             part_acc_ptr=part_acc,
             part_max_ptr=part_max,

@@ -272,10 +272,10 @@ def test_triton_interpreter_subset(gen, params):
 def test_triton_interpreter_split_kv(gen, monkeypatch):
     """Few programs and long keys: the flash-decoding split and merge path."""
     needs_interpreter()
-    from kvcore_kernels import attention_triton
+    from kvcore_kernels import splits_triton
 
-    monkeypatch.setattr(attention_triton, "MIN_KEYS_PER_SPLIT", 16)
-    assert attention_triton.choose_num_splits(2, 150, torch.device("cpu")) > 1
+    monkeypatch.setattr(splits_triton, "MIN_KEYS_PER_SPLIT", 16)
+    assert splits_triton.choose_num_splits(2, 150, torch.device("cpu")) > 1
     check(
         gen,
         "triton",

@@ -1,7 +1,7 @@
 """Triton paged attention over a quantized cache: decoding happens in the K/V tile loads.
 
-The schedule is ``kvcore_kernels.attention_triton``'s (its work list ``_tiles``, split count
-``choose_num_splits`` and ``_merge_splits_kernel`` are reused as they are): grid ``(num_tiles,
+The schedule is ``kvcore_kernels.attention_triton``'s (its work list ``_tiles``; the split
+count and merge kernel of ``kvcore_kernels.splits_triton``): grid ``(num_tiles,
 num_kv_heads, num_splits)``, ``BLOCK_M`` rows = query tokens x the query heads of one KV head,
 an online softmax over ``BLOCK_N``-key tiles. Only the K/V loads differ: ``load_triton``'s
 ``_load_tile`` decodes a tile from the block rows (codes times scales) in registers.
@@ -19,23 +19,30 @@ from kvcore_kernels.attention_triton import (
     MAX_QUERIES_PER_KV,
     NO_WINDOW,
     SUPPORTED_HEAD_DIMS,
-    _merge_splits_kernel,
     _tiles,
-    choose_num_splits,
 )
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
 from kvcore_kernels.quant.attention_torch import shape_proxy
 from kvcore_kernels.quant.cache import QuantKVCache
-from kvcore_kernels.quant.formats import GROUP, KCODE_EXP_BIAS, kernel_kind, region_offsets
-from kvcore_kernels.quant.load_triton import _load_tile
+from kvcore_kernels.quant.formats import KCODE_EXP_BIAS, kernel_kind, region_offsets
+from kvcore_kernels.quant.load_triton import (
+    _group_dequant,
+    _kivi_keys,
+    _load_codes,
+    _residual_rows,
+    _tile_keys,
+    _token_meta,
+    _unpack,
+)
+from kvcore_kernels.splits_triton import choose_num_splits, merge_splits_kernel
 from kvcore_kernels.triton_util import check_triton_device, compute_dtype
 
 
 @triton.jit(do_not_specialize=["sliding_window", "num_splits", "num_tokens"])
 def _paged_attention_quant_kernel(
     query_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
-    buf_ptr,  # uint8 [num_blocks, block_bytes]
+    buf_ptr,  # uint8 [num_blocks, NUM_KV_HEADS * HEAD_BYTES]
     fp8_scale_ptr,  # float32 [2, NUM_KV_HEADS]
     residual_ptr,  # [num_slots, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]
     stage_ptr,  # int32 [num_blocks]
@@ -55,7 +62,6 @@ def _paged_attention_quant_kernel(
     num_splits,
     num_tokens,
     num_q_heads,
-    block_bytes,
     stride_res_slot,
     stride_res_kv,
     stride_res_pos,
@@ -67,7 +73,10 @@ def _paged_attention_quant_kernel(
     stride_out_head,
     KIND: tl.constexpr,
     BITS: tl.constexpr,
-    GROUP: tl.constexpr,
+    K_GROUP: tl.constexpr,  # intg: group sizes of K and V along the head dim
+    V_GROUP: tl.constexpr,
+    MIN8: tl.constexpr,  # intg: int8 zero points
+    HEAD_BYTES: tl.constexpr,  # one head segment of a block row
     DATA_OFF: tl.constexpr,
     META0_OFF: tl.constexpr,
     META1_OFF: tl.constexpr,
@@ -81,6 +90,8 @@ def _paged_attention_quant_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PB: tl.constexpr,  # slots per unit of a key tile (load_triton docstring)
+    SUBS: tl.constexpr,  # units per block
     SPLIT_KV: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
@@ -113,84 +124,71 @@ def _paged_attention_quant_kernel(
     ).to(COMPUTE_DTYPE)
     if USE_ALIBI:
         slope = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+    # fp8: the per-head scales fold into the scores (K) and the output (V), one multiply each.
+    k_scale = qk_scale
+    v_scale = 1.0
+    if KIND <= 1:
+        k_scale = qk_scale * tl.load(fp8_scale_ptr + kv_head)
+        v_scale = tl.load(fp8_scale_ptr + NUM_KV_HEADS + kv_head)
 
     last_q = tl.minimum(q_first + BLOCK_Q, q_len) - 1
     k_end = ctx + last_q + 1
     k_start = tl.maximum(ctx + q_first - sliding_window + 1, 0)
-    num_kv_tiles = tl.cdiv(k_end - k_start, BLOCK_N)
+    first_block = k_start // BLOCK_SIZE  # tiles start on a block boundary: whole-unit loads
+    k_lo = first_block * BLOCK_SIZE
+    num_units = tl.cdiv(k_end - k_lo, BLOCK_SIZE) * SUBS
+    num_kv_tiles = tl.cdiv(num_units, BLOCK_N // PB)
     per_split = tl.cdiv(num_kv_tiles, num_splits)
     t_begin = split * per_split
     t_end = tl.minimum(t_begin + per_split, num_kv_tiles)
+    table_row = block_table_ptr + req * stride_table_req
+    head_base = buf_ptr + kv_head * HEAD_BYTES  # this KV head's segment of block 0
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for t in range(t_begin, t_end):
-        keys = k_start + t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
-        key_ok = keys < k_end
-        block = tl.load(
-            block_table_ptr + req * stride_table_req + keys // BLOCK_SIZE, mask=key_ok, other=0
-        ).to(tl.int64)
-        pos = keys % BLOCK_SIZE
-        k = _load_tile(
-            buf_ptr,
-            fp8_scale_ptr,
-            residual_ptr,
-            stage_ptr,
-            block,
-            pos,
-            key_ok,
-            kv_head,
-            block_bytes,
-            stride_res_slot,
-            stride_res_kv,
-            stride_res_pos,
-            stride_res_head,
-            0,
-            KIND,
-            BITS,
-            BLOCK_SIZE,
-            NUM_KV_HEADS,
-            HEAD_DIM,
-            GROUP,
-            DATA_OFF,
-            META0_OFF,
-            META1_OFF,
-            META2_OFF,
-            META3_OFF,
-            KCODE_EXP_BIAS,
+        keys, pos, key_ok, block = _tile_keys(
+            table_row, t, first_block, k_lo, k_end, BLOCK_SIZE, BLOCK_N, PB, SUBS
         )
-        v = _load_tile(
-            buf_ptr,
-            fp8_scale_ptr,
-            residual_ptr,
-            stage_ptr,
-            block,
-            pos,
-            key_ok,
-            kv_head,
-            block_bytes,
-            stride_res_slot,
-            stride_res_kv,
-            stride_res_pos,
-            stride_res_head,
-            1,
-            KIND,
-            BITS,
-            BLOCK_SIZE,
-            NUM_KV_HEADS,
-            HEAD_DIM,
-            GROUP,
-            DATA_OFF,
-            META0_OFF,
-            META1_OFF,
-            META2_OFF,
-            META3_OFF,
-            KCODE_EXP_BIAS,
-        )
-        k = k.to(COMPUTE_DTYPE)
-        v = v.to(COMPUTE_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        seg = head_base + block * (NUM_KV_HEADS * HEAD_BYTES)  # [BLOCK_N] uint8 pointers
+        # ---- keys: scores in log2 units
+        kb = _load_codes(seg, pos, key_ok, 0, BLOCK_SIZE, HEAD_DIM, BITS, DATA_OFF)
+        if KIND == 0:
+            k = kb.to(tl.float8e4nv, bitcast=True).to(COMPUTE_DTYPE)
+        elif KIND == 1:
+            k = kb.to(tl.float8e5, bitcast=True).to(COMPUTE_DTYPE)
+        elif KIND == 2:
+            k = kb.to(tl.int8, bitcast=True).to(COMPUTE_DTYPE)
+        elif KIND <= 4:
+            k = _group_dequant(
+                _unpack(kb, BITS), seg, pos, key_ok, KIND, MIN8, BLOCK_N, HEAD_DIM, K_GROUP,
+                META0_OFF, META1_OFF, KCODE_EXP_BIAS,
+            ).to(COMPUTE_DTYPE)  # fmt: skip
+        else:
+            units = t * (BLOCK_N // PB) + tl.arange(0, BLOCK_N // PB)  # [NB]
+            unit_ok = units < num_units
+            unit_block = tl.load(table_row + first_block + units // SUBS, mask=unit_ok, other=0)
+            unit_seg = head_base + unit_block.to(tl.int64) * (NUM_KV_HEADS * HEAD_BYTES)
+            kf = _kivi_keys(
+                _unpack(kb, BITS), unit_seg, unit_ok, BLOCK_N, PB, HEAD_DIM, META0_OFF,
+                META1_OFF, KCODE_EXP_BIAS,
+            )  # fmt: skip
+            stage = tl.load(stage_ptr + block, mask=key_ok, other=-1).to(tl.int64)
+            staged = key_ok & (stage >= 0)
+            any_staged = tl.max(staged.to(tl.int32), 0) > 0
+            if any_staged:  # the partial last block (and a window): model-dtype rows
+                res_k = _residual_rows(
+                    residual_ptr, stage, staged, pos, kv_head, stride_res_slot, stride_res_kv,
+                    stride_res_pos, stride_res_head, 0, HEAD_DIM,
+                )  # fmt: skip
+                kf = tl.where(staged[:, None], res_k, kf)
+            k = kf.to(COMPUTE_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if KIND == 2:  # int8: the per-token scale scales a score column
+            s = s * (k_scale * _token_meta(seg, pos, key_ok, 0, BLOCK_SIZE, META0_OFF))[None, :]
+        else:
+            s = s * k_scale
         if USE_SOFTCAP:
             s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)
         if USE_ALIBI:
@@ -202,8 +200,41 @@ def _paged_attention_quant_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None]
+        # ---- values
+        vb = _load_codes(seg, pos, key_ok, 1, BLOCK_SIZE, HEAD_DIM, BITS, DATA_OFF)
+        if KIND <= 1:  # fp8: the head's value scale multiplies the output at the end
+            if KIND == 0:
+                v = vb.to(tl.float8e4nv, bitcast=True).to(COMPUTE_DTYPE)
+            else:
+                v = vb.to(tl.float8e5, bitcast=True).to(COMPUTE_DTYPE)
+            acc += tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+        elif KIND == 2:  # int8: probabilities times the per-token scale, against the codes
+            sv = _token_meta(seg, pos, key_ok, 1, BLOCK_SIZE, META0_OFF)
+            v = vb.to(tl.int8, bitcast=True).to(COMPUTE_DTYPE)
+            acc += tl.dot((p * sv[None, :]).to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+        elif KIND <= 4:
+            v = _group_dequant(
+                _unpack(vb, BITS), seg, pos, key_ok, KIND, MIN8, BLOCK_N, HEAD_DIM, V_GROUP,
+                META2_OFF, META3_OFF, KCODE_EXP_BIAS,
+            ).to(COMPUTE_DTYPE)  # fmt: skip
+            acc += tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+        else:  # kivi: sum_n p (c s + min) = (p s) @ c + sum_n p min
+            vs = _token_meta(seg, pos, key_ok, 0, BLOCK_SIZE, META2_OFF)
+            vmin = _token_meta(seg, pos, key_ok, 0, BLOCK_SIZE, META3_OFF)
+            pq = tl.where(staged[None, :], 0.0, p)
+            v = _unpack(vb, BITS).to(COMPUTE_DTYPE)
+            acc += tl.dot((pq * vs[None, :]).to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+            acc += tl.sum(pq * vmin[None, :], 1)[:, None]
+            if any_staged:
+                res_v = _residual_rows(
+                    residual_ptr, stage, staged, pos, kv_head, stride_res_slot, stride_res_kv,
+                    stride_res_pos, stride_res_head, 1, HEAD_DIM,
+                )  # fmt: skip
+                pr = tl.where(staged[None, :], p, 0.0).to(COMPUTE_DTYPE)
+                acc += tl.dot(pr, res_v.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
+    acc = acc * v_scale
 
     if not SPLIT_KV:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -254,9 +285,11 @@ def paged_attention_quant_triton(
     block_m = max(16, triton.next_power_of_2(group)) if decode_only else (64 if wide else 128)
     block_n = 32 if wide else 64
     block_q = block_m // group
+    bs_pad = triton.next_power_of_2(shape.block_size)
+    unit = min(bs_pad, block_n)
     tile_req, tile_start = _tiles(meta, block_q)
     num_tiles = tile_req.shape[0]
-    splits = choose_num_splits(num_tiles * hk, meta.max_seq_len, query.device)
+    splits = choose_num_splits(num_tiles * hk, meta.max_seq_len, query.device, block_n)
     if splits > 1:
         f32 = dict(dtype=torch.float32, device=query.device)
         part_acc = torch.empty((splits, meta.num_tokens, hq, d), **f32)
@@ -289,7 +322,6 @@ def paged_attention_quant_triton(
         num_splits=splits,
         num_tokens=meta.num_tokens,
         num_q_heads=hq,
-        block_bytes=cache.layout.block_bytes,
         stride_res_slot=res.stride(0),
         stride_res_kv=res.stride(1),
         stride_res_pos=res.stride(2),
@@ -301,7 +333,10 @@ def paged_attention_quant_triton(
         stride_out_head=out.stride(1),
         KIND=kernel_kind(cache.fmt),
         BITS=cache.fmt.bits,
-        GROUP=GROUP,
+        K_GROUP=cache.fmt.groups[0],
+        V_GROUP=cache.fmt.groups[1],
+        MIN8=cache.fmt.min8,
+        HEAD_BYTES=cache.layout.head_bytes,
         DATA_OFF=offsets[0],
         META0_OFF=offsets[1],
         META1_OFF=offsets[2],
@@ -315,6 +350,8 @@ def paged_attention_quant_triton(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        PB=unit,
+        SUBS=bs_pad // unit,
         SPLIT_KV=splits > 1,
         USE_SOFTCAP=soft_cap is not None,
         USE_ALIBI=alibi_slopes is not None,
@@ -323,7 +360,7 @@ def paged_attention_quant_triton(
         num_warps=4 if decode_only else 8,
     )
     if splits > 1:
-        _merge_splits_kernel[(meta.num_tokens, hq)](
+        merge_splits_kernel[(meta.num_tokens, hq)](
             out_ptr=out,
             part_acc_ptr=part_acc,
             part_max_ptr=part_max,

@@ -26,9 +26,10 @@ DEFAULT_RESIDUAL_BLOCKS = 256  # KIVI residual slots per (1 + window), unless gi
 class QuantKVCache:
     """One layer's quantized paged KV cache: ``buffer`` uint8 ``[num_blocks, block_bytes]``.
 
-    ``views[name]`` are typed views ``[num_blocks, *region.shape]`` of the buffer's regions
-    (``formats`` docstring). With ``rotate`` the stored K (and/or V) are ``x @ rotation``.
-    FP8 keeps per-layer scales ``fp8_scale`` float32 ``[2, H]`` (K, V)
+    ``views[name]`` are typed strided views of the buffer's regions in the logical order
+    (``[num_blocks, 2, bs, H, ...]``; KIVI's ``kmin``/``kcode`` ``[num_blocks, H, D]``) over
+    the head-segmented rows (``formats`` docstring). With ``rotate`` the stored K (and/or V)
+    are ``x @ rotation``. FP8 keeps per-layer scales ``fp8_scale`` float32 ``[2, H]`` (K, V)
     set by the first store unless given. KIVI keeps ``residual`` ``[num_slots, 2, bs, H, D]``
     in the model dtype and the ``ResidualState`` shared by the model's KIVI layers.
     """
@@ -90,12 +91,16 @@ class QuantKVCache:
             self.views[name].index_copy_(0, blocks, part.to(self.views[name].dtype))
 
 
-def _views(buffer: torch.Tensor, layout: BlockLayout) -> dict[str, torch.Tensor]:
+def _views(buffer: torch.Tensor, layout: BlockLayout, num_kv_heads: int) -> dict[str, torch.Tensor]:
+    """Typed views of every region in the logical ``[num_blocks, ..., H, ...]`` order over the
+    head-segmented bytes (``formats`` docstring): strided views, no copies."""
     num_blocks = buffer.shape[0]
+    segments = buffer.view(num_blocks, num_kv_heads, layout.head_bytes)
     out = {}
     for name, r in layout.regions.items():
-        raw = buffer[:, r.offset : r.offset + r.nbytes]  # [num_blocks, nbytes], strided
-        out[name] = raw.view(r.dtype).view(num_blocks, *r.shape)
+        raw = segments[:, :, r.offset : r.offset + r.nbytes]  # [nb, H, nbytes], strided
+        typed = raw.view(r.dtype).view(num_blocks, num_kv_heads, *r.shape)
+        out[name] = typed.movedim(1, 1 + r.head_axis)
     return out
 
 
@@ -171,7 +176,14 @@ def allocate_kv_caches(
         layout = block_layout(fmt, block_size, num_kv_heads, head_dim)
         buffer = torch.zeros((num_blocks, layout.block_bytes), dtype=torch.uint8, device=device)
         cache = QuantKVCache(
-            fmt, block_size, num_kv_heads, head_dim, dtype, buffer, layout, _views(buffer, layout)
+            fmt,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            buffer,
+            layout,
+            _views(buffer, layout, num_kv_heads),
         )
         cache.rotate = fmt.rotate if rotate is None else rotate
         if cache.rotate:

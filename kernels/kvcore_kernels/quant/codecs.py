@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore_kernels.quant.formats import GROUP, KCODE_EXP_BIAS, KCODE_MAX, KCODE_MIN, KVFormat
+from kvcore_kernels.quant.formats import KCODE_EXP_BIAS, KCODE_MAX, KCODE_MIN, ZP_STEPS, KVFormat
 
 FP16_TINY = 2.0**-14  # smallest normal fp16: the floor of every stored scale
 FP16_MAX = 65504.0
@@ -94,11 +94,34 @@ def fp8_calibrate(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale)).contiguous()
 
 
-def encode_tokens(fmt: KVFormat, x: torch.Tensor, fp8_scale: torch.Tensor | None = None):
-    """Encode ``x: [T, H, D]``; returns the region tensors with a leading ``[T, ...]``.
+def zp_encode(lo: torch.Tensor, hi: torch.Tensor, levels: int):
+    """Group ``[lo, hi]`` (fp32) -> (e5m3 scale code, scale, int8 zero point ``z``) with the
+    grid ``z * s / ZP_STEPS + q * s``, q = 0..levels: ``z = floor(lo * 8 / s)`` starts the grid
+    at most ``s / 8`` below ``lo``, and ``s >= (hi - lo) / (levels - 1/8)`` (rounded up) still
+    reaches ``hi``. ``s`` is raised where ``lo / s`` would leave int8's range (groups far from
+    0 relative to their width)."""
+    need = (hi - lo) / (levels - 1.0 / ZP_STEPS)
+    need = torch.maximum(need, torch.where(lo < 0, -lo / 16.0, lo / 15.875))
+    code = kcode_encode(need)
+    s = kcode_to_scale(code)
+    z = torch.floor(lo * ZP_STEPS / s).clamp(-128, 127)
+    return code, s, z.to(torch.int8)
 
-    fp8: ``data``; int8: ``data, scale``; int4 / int2: ``data, scale, min`` (int4's scale is
-    an e5m3 code). ``fp8_scale``: float32 ``[H]`` (fp8 only).
+
+def zp_min(z: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The grid start ``z * s / ZP_STEPS`` (fp32, exact) of int8 zero points and scales."""
+    return z.float() * s / ZP_STEPS
+
+
+def encode_tokens(
+    fmt: KVFormat, x: torch.Tensor, fp8_scale: torch.Tensor | None = None, which: int = 0
+):
+    """Encode ``x: [T, H, D]`` (K if ``which == 0``, else V); returns the codec parts with a
+    leading ``[T, ...]`` (``formats.token_regions`` names their regions).
+
+    fp8: ``data``; int8: ``data, scale``; int4 / int2: ``data, scale, min`` in groups of
+    ``fmt.groups[which]`` (int4's scale is an e5m3 code; with ``fmt.min8`` its min is an int8
+    zero point, ``zp_encode``). ``fp8_scale``: float32 ``[H]`` (fp8 only).
     """
     x = x.float()
     if fmt.kind == "fp8":
@@ -111,9 +134,16 @@ def encode_tokens(fmt: KVFormat, x: torch.Tensor, fp8_scale: torch.Tensor | None
         q = rnd(x / s[..., None]).clamp(-127, 127).to(torch.int8)
         return {"data": q, "scale": s.half()}
     t, h, d = x.shape
-    xg = x.view(t, h, d // GROUP, GROUP)
+    group = fmt.groups[which]
+    xg = x.view(t, h, d // group, group)
     levels = (1 << fmt.bits) - 1
+    if fmt.min8:  # int8 zero point in eighths of the scale (zp_encode)
+        code, s, lo_code = zp_encode(xg.amin(-1), xg.amax(-1), levels)
+        lo = zp_min(lo_code, s)
+        q = rnd((xg - lo[..., None]) / s[..., None]).clamp(0, levels)
+        return {"data": pack_codes(q.view(t, h, d), fmt.bits), "scale": code, "min": lo_code}
     lo = xg.amin(-1).clamp(-FP16_MAX, FP16_MAX).half().float()
+    lo_code = lo.half()
     if fmt.bits == 4:
         code = kcode_encode((xg.amax(-1) - lo) / levels)
         s = kcode_to_scale(code)
@@ -121,11 +151,13 @@ def encode_tokens(fmt: KVFormat, x: torch.Tensor, fp8_scale: torch.Tensor | None
         s = _scale16((xg.amax(-1) - lo) / levels)
         code = s.half()
     q = rnd((xg - lo[..., None]) / s[..., None]).clamp(0, levels)
-    return {"data": pack_codes(q.view(t, h, d), fmt.bits), "scale": code, "min": lo.half()}
+    return {"data": pack_codes(q.view(t, h, d), fmt.bits), "scale": code, "min": lo_code}
 
 
-def decode_tokens(fmt: KVFormat, parts: dict, fp8_scale: torch.Tensor | None = None):
-    """Decode region tensors ``[T, ...]`` back to float32 ``[T, H, D]``."""
+def decode_tokens(
+    fmt: KVFormat, parts: dict, fp8_scale: torch.Tensor | None = None, which: int = 0
+):
+    """Decode codec parts ``[T, ...]`` of K (``which == 0``) or V back to float32 ``[T, H, D]``."""
     data = parts["data"]
     if fmt.kind == "fp8":
         assert fp8_scale is not None
@@ -134,9 +166,11 @@ def decode_tokens(fmt: KVFormat, parts: dict, fp8_scale: torch.Tensor | None = N
         return data.float() * parts["scale"].float()[..., None]
     q = unpack_codes(data, fmt.bits).float()
     t, h, d = q.shape
-    qg = q.view(t, h, d // GROUP, GROUP)
+    group = fmt.groups[which]
+    qg = q.view(t, h, d // group, group)
     s = kcode_to_scale(parts["scale"]) if fmt.bits == 4 else parts["scale"].float()
-    return (qg * s[..., None] + parts["min"].float()[..., None]).view(t, h, d)
+    lo = zp_min(parts["min"], s) if fmt.min8 else parts["min"].float()
+    return (qg * s[..., None] + lo[..., None]).view(t, h, d)
 
 
 def kcode_encode(scale: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,7 @@ def _encode_blocks_kernel(
     src_index_ptr,  # [n] int64: source block of each job
     dst_block_ptr,  # [n] int64: destination block row
     fill_ptr,  # [n] int64: valid rows (read if HAS_FILL)
-    buf_ptr,  # uint8 [num_blocks, block_bytes]
-    block_bytes,
+    buf_ptr,  # uint8 [num_blocks, NUM_KV_HEADS * HEAD_BYTES]
     stride_src_n,
     stride_src_kv,
     stride_src_pos,
@@ -33,6 +32,7 @@ def _encode_blocks_kernel(
     BS_PAD: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_BYTES: tl.constexpr,  # one head segment of a block row (formats docstring)
     BITS: tl.constexpr,
     HAS_FILL: tl.constexpr,
     DATA_OFF: tl.constexpr,
@@ -55,7 +55,7 @@ def _encode_blocks_kernel(
     offs = rows[:, None] * stride_src_pos + dims[None, :]  # [BS_PAD, HEAD_DIM]
     k = tl.load(base + offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     v = tl.load(base + stride_src_kv + offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    row_ptr = buf_ptr + dst * block_bytes
+    seg = buf_ptr + dst * (NUM_KV_HEADS * HEAD_BYTES) + head * HEAD_BYTES  # this head's bytes
     cols = tl.arange(0, width)
 
     # Keys: per channel over the block's valid rows; fp16 min, e5m3 scale code rounded up.
@@ -69,14 +69,13 @@ def _encode_blocks_kernel(
     code, ks = _scale_code((hi - kmin) / levels)
     qk = tl.floor((k - kmin[None, :]) / ks[None, :] + 0.5)
     qk = tl.minimum(tl.maximum(qk, 0.0), levels).to(tl.int32)
-    sh_k = rows * NUM_KV_HEADS + head  # [BS_PAD] (kv=0, pos, head)
-    tl.store(
-        row_ptr + DATA_OFF + sh_k[:, None] * width + cols[None, :],
+    tl.store(  # K codes: rows 0..bs-1 of the segment's [2, bs, width] data
+        seg + DATA_OFF + rows[:, None] * width + cols[None, :],
         _pack(qk, BS_PAD, HEAD_DIM, BITS),
         mask=row_ok[:, None],
     )
-    tl.store((row_ptr + KMIN_OFF).to(tl.pointer_type(tl.float16)) + head * HEAD_DIM + dims, kmin16)
-    tl.store(row_ptr + KCODE_OFF + head * HEAD_DIM + dims, code)
+    tl.store((seg + KMIN_OFF).to(tl.pointer_type(tl.float16)) + dims, kmin16)
+    tl.store(seg + KCODE_OFF + dims, code)
 
     # Values: per token over the head dim; fp16 scale and min.
     vlo = tl.minimum(tl.maximum(tl.min(v, 1), -65504.0), 65504.0).to(tl.float16).to(tl.float32)
@@ -84,16 +83,14 @@ def _encode_blocks_kernel(
     vs16 = vs16.to(tl.float16)
     qv = tl.floor((v - vlo[:, None]) / vs16.to(tl.float32)[:, None] + 0.5)
     qv = tl.minimum(tl.maximum(qv, 0.0), levels).to(tl.int32)
-    sh_v = (BLOCK_SIZE + rows) * NUM_KV_HEADS + head
     tl.store(
-        row_ptr + DATA_OFF + sh_v[:, None] * width + cols[None, :],
+        seg + DATA_OFF + (BLOCK_SIZE + rows)[:, None] * width + cols[None, :],
         _pack(qv, BS_PAD, HEAD_DIM, BITS),
         mask=row_ok[:, None],
     )
-    pos_head = rows * NUM_KV_HEADS + head
-    tl.store((row_ptr + VSCALE_OFF).to(tl.pointer_type(tl.float16)) + pos_head, vs16, mask=row_ok)
-    vmin_ptr = (row_ptr + VMIN_OFF).to(tl.pointer_type(tl.float16))
-    tl.store(vmin_ptr + pos_head, vlo.to(tl.float16), mask=row_ok)
+    tl.store((seg + VSCALE_OFF).to(tl.pointer_type(tl.float16)) + rows, vs16, mask=row_ok)
+    vmin_ptr = (seg + VMIN_OFF).to(tl.pointer_type(tl.float16))
+    tl.store(vmin_ptr + rows, vlo.to(tl.float16), mask=row_ok)
 
 
 def encode_blocks_triton(
@@ -115,7 +112,6 @@ def encode_blocks_triton(
         dst_block_ptr=dst_blocks,
         fill_ptr=fills if fills is not None else dst_blocks,
         buf_ptr=cache.buffer,
-        block_bytes=cache.layout.block_bytes,
         stride_src_n=src.stride(0),
         stride_src_kv=src.stride(1),
         stride_src_pos=src.stride(2),
@@ -124,6 +120,7 @@ def encode_blocks_triton(
         BS_PAD=triton.next_power_of_2(cache.block_size),
         NUM_KV_HEADS=cache.num_kv_heads,
         HEAD_DIM=cache.head_dim,
+        HEAD_BYTES=cache.layout.head_bytes,
         BITS=cache.fmt.bits,
         HAS_FILL=fills is not None,
         DATA_OFF=data_off,

@@ -22,6 +22,7 @@ from kvcore_kernels.quant.codecs import (
     kivi_decode_blocks,
     kivi_encode_blocks,
 )
+from kvcore_kernels.quant.formats import token_regions
 from kvcore_kernels.quant.residual import StorePlan
 
 
@@ -85,9 +86,10 @@ def store_tokens_torch(
         return
     for which, x in ((0, key), (1, value)):
         scale = cache.fp8_scale[which] if cache.fp8_scale is not None else None
-        parts = encode_tokens(cache.fmt, x.index_select(0, keep), scale)
-        for name, part in parts.items():
-            cache.views[name][:, which].index_put_((blocks, offsets), part)
+        parts = encode_tokens(cache.fmt, x.index_select(0, keep), scale, which)
+        for part, (name, per_kv) in token_regions(cache.fmt, which).items():
+            view = cache.views[name][:, which] if per_kv else cache.views[name]
+            view.index_put_((blocks, offsets), parts[part])
 
 
 def apply_residual_plan(
@@ -183,6 +185,10 @@ def read_tokens(cache: QuantKVCache, blocks: torch.Tensor, which: int) -> torch.
             out.index_copy_(0, staged, rows)
         return out
     n, bs = blocks.numel(), cache.block_size
-    flat = {k: v[:, which].reshape(n * bs, *v.shape[3:]) for k, v in parts.items()}
+    flat = {}
+    for part, (name, per_kv) in token_regions(cache.fmt, which).items():
+        t = parts[name][:, which] if per_kv else parts[name]  # [n, bs, H, ...]
+        flat[part] = t.reshape(n * bs, *t.shape[2:])
     scale = cache.fp8_scale[which] if cache.fp8_scale is not None else None
-    return decode_tokens(cache.fmt, flat, scale).view(n, bs, cache.num_kv_heads, cache.head_dim)
+    out = decode_tokens(cache.fmt, flat, scale, which)
+    return out.view(n, bs, cache.num_kv_heads, cache.head_dim)
