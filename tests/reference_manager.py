@@ -1,10 +1,10 @@
 """A small pure-Python reference of kvcore's KV manager, the oracle of the differential tests.
 
 Same observable behaviour as the Rust core (block ids, ref counts, free-queue order, hits, copy
-ops; freeing cancels orphaned copies), written for clarity, not speed: the free queue is a list, and the prefix cache is a dict
-from (namespace, whole token prefix) to block, so the radix tree and the chained hashes are both
-"a key per full-block prefix". Radix mode adds token-granularity hits that end inside a block
-(ties go to the lowest block id).
+ops; freeing cancels orphaned copies), written for clarity, not speed: the free queue is a
+list, and the prefix cache is a dict from (namespace, whole token prefix) to block, so the
+radix tree and the chained hashes are both "a key per full-block prefix". Radix mode adds
+token-granularity hits that end inside a block (ties go to the lowest block id).
 """
 
 from __future__ import annotations
