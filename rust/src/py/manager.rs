@@ -10,17 +10,16 @@
 //! Threads: the manager sits behind a lock (`lock::Shared`): calls from several threads are
 //! serialized, each atomic; heavy calls release the GIL while they work.
 
-use std::collections::{HashMap, HashSet};
-
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::args::{count, id, int64, int_in, or_default, text};
-use super::arrays::{
-    counts, counts_for, ids, ids_for, int_batch, invalid, same_len, spans, tokens, Tokens,
-};
+use super::arrays::{counts, counts_for, ids, ids_for, int_batch, invalid, same_len};
 use super::lock::Shared;
+use super::manager_args::{
+    block_id, check_live, check_spans, consistent_repeats, token_spans, too_long, unique,
+};
 use crate::error::{KvError, KvResult};
 use crate::kv_manager::{KvManager, KvManagerConfig, PrefixHit, MAX_BLOCKS, MAX_BLOCK_SIZE};
 use crate::prefix_cache::PrefixMode;
@@ -29,108 +28,6 @@ use crate::prefix_cache::PrefixMode;
 #[pyclass(name = "KvCacheManager", module = "kvcore._kvcore", frozen)]
 pub struct PyKvCacheManager {
     inner: Shared<KvManager>,
-}
-
-/// Flat tokens and each request's `[start, end)` span in them.
-type TokenSpans<'py> = (Tokens<'py>, Vec<(usize, usize)>);
-
-/// Optional tokens + offsets for `n` requests (offsets may be left out for one request).
-fn token_spans<'py>(
-    toks: Option<&Bound<'py, PyAny>>,
-    offsets: Option<&Bound<'py, PyAny>>,
-    n: usize,
-) -> PyResult<Option<TokenSpans<'py>>> {
-    let toks = toks.filter(|t| !t.is_none());
-    let offsets = offsets.filter(|o| !o.is_none());
-    match (toks, offsets) {
-        (None, None) => Ok(None),
-        (Some(t), Some(o)) => {
-            let t = tokens(t, "tokens")?;
-            let sp = spans(&counts(o, "offsets")?, n, t.slice().len())?;
-            Ok(Some((t, sp)))
-        }
-        (Some(t), None) if n == 1 => {
-            let t = tokens(t, "tokens")?;
-            let len = t.slice().len();
-            Ok(Some((t, vec![(0, len)])))
-        }
-        (Some(_), None) => Err(invalid(format!(
-            "offsets are needed to split tokens between {n} requests"
-        ))),
-        (None, Some(_)) => Err(invalid("offsets given without tokens".into())),
-    }
-}
-
-/// Rejects a batch that names the same id twice.
-fn unique(reqs: &[u64], dup: impl Fn(u64) -> KvError) -> PyResult<()> {
-    let mut seen = HashSet::with_capacity(reqs.len());
-    match reqs.iter().find(|&&r| !seen.insert(r)) {
-        Some(&r) => Err(dup(r).into()),
-        None => Ok(()),
-    }
-}
-
-fn check_live(m: &KvManager, reqs: &[u64]) -> KvResult<()> {
-    match reqs.iter().find(|&&r| !m.contains(r)) {
-        Some(&r) => Err(KvError::UnknownRequest(r)),
-        None => Ok(()),
-    }
-}
-
-/// Each request's span may be stated as its computed tokens (see `KvManager::check_tokens`).
-fn check_spans(m: &KvManager, reqs: &[u64], toks: &[u32], sp: &[(usize, usize)]) -> KvResult<()> {
-    for (&r, &(s, e)) in reqs.iter().zip(sp) {
-        m.check_tokens(r, &toks[s..e])?;
-    }
-    Ok(())
-}
-
-/// A request named more than once in a batch states the same tokens each time (each span a
-/// prefix of its longest), so checking the batch up front covers every call in it.
-fn consistent_repeats(reqs: &[u64], toks: &[u32], sp: &[(usize, usize)]) -> PyResult<()> {
-    let mut longest: HashMap<u64, usize> = HashMap::with_capacity(reqs.len());
-    for (i, &r) in reqs.iter().enumerate() {
-        let j = longest.entry(r).or_insert(i);
-        if sp[i].1 - sp[i].0 > sp[*j].1 - sp[*j].0 {
-            *j = i;
-        }
-    }
-    if longest.len() == reqs.len() {
-        return Ok(());
-    }
-    for (i, &r) in reqs.iter().enumerate() {
-        let ((s, e), (ls, _)) = (sp[i], sp[longest[&r]]);
-        if toks[s..e] != toks[ls..ls + (e - s)] {
-            return Err(invalid(format!(
-                "request {r} is named twice in one batch with different tokens"
-            )));
-        }
-    }
-    Ok(())
-}
-
-fn too_long(m: &KvManager, reqs: &[u64], totals: &[usize]) -> KvResult<()> {
-    let max = m.max_tokens();
-    match totals.iter().position(|&t| t > max) {
-        Some(i) => Err(KvError::TooLong(format!(
-            "request {} needs {} tokens; the pool holds {max}",
-            reqs[i], totals[i]
-        ))),
-        None => Ok(()),
-    }
-}
-
-/// A block id in the pool (`InvalidBlockError` otherwise).
-fn block_id(m: &KvManager, b: Option<i64>) -> KvResult<u32> {
-    b.and_then(|b| u32::try_from(b).ok())
-        .filter(|&b| b < m.num_blocks())
-        .ok_or_else(|| {
-            KvError::InvalidBlock(format!(
-                "block {} outside a pool of {}",
-                b.map_or("?".into(), |b| b.to_string()),
-                m.num_blocks()
-            ))
-        })
 }
 
 #[pymethods]
@@ -316,7 +213,7 @@ impl PyKvCacheManager {
             check_live(m, &reqs)?;
             check_spans(m, &reqs, toks, &sp)?;
             for (&r, &(s, e)) in reqs.iter().zip(&sp) {
-                m.cache_computed(r, &toks[s..e])?;
+                m.cache_checked(r, &toks[s..e]);
             }
             Ok(())
         })??)
@@ -343,8 +240,8 @@ impl PyKvCacheManager {
             }
             for (i, &r) in reqs.iter().enumerate() {
                 match &ts {
-                    Some((t, sp)) => m.free(r, &t[sp[i].0..sp[i].1])?,
-                    None => m.free(r, &[])?,
+                    Some((t, sp)) => m.free_checked(r, &t[sp[i].0..sp[i].1]),
+                    None => m.free_checked(r, &[]),
                 }
             }
             Ok(())

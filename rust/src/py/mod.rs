@@ -13,6 +13,7 @@ pub(crate) mod arrays;
 pub(crate) mod errors;
 mod lock;
 mod manager;
+mod manager_args;
 mod sched_args;
 mod scheduler;
 mod step_output;
