@@ -1,10 +1,10 @@
 """A small pure-Python reference of kvcore's KV manager, the oracle of the differential tests.
 
 Same observable behaviour as the Rust core (block ids, ref counts, free-queue order, hits, copy
-ops), written for clarity, not speed: the free queue is a list, and the prefix cache is a dict
-from (namespace, whole token prefix) to block, so the radix tree and the chained hashes are both
-"a key per full-block prefix". Radix mode adds token-granularity hits that end inside a block
-(ties go to the lowest block id).
+ops; freeing cancels orphaned copies), written for clarity, not speed: the free queue is a
+list, and the prefix cache is a dict from (namespace, whole token prefix) to block, so the
+radix tree and the chained hashes are both "a key per full-block prefix". Radix mode adds
+token-granularity hits that end inside a block (ties go to the lowest block id).
 """
 
 from __future__ import annotations
@@ -146,6 +146,8 @@ class ReferenceManager:
         while t.num_cached < len(tokens) // bs:
             i = t.num_cached
             b = t.blocks[i]
+            if any(dst == b for _, dst in self.copy_ops):
+                break  # a pending copy's destination: its KV is not there yet
             if b not in self.key:
                 if i > 0 and t.blocks[i - 1] not in self.key:
                     break
@@ -166,6 +168,12 @@ class ReferenceManager:
         self.cache_computed(req, tokens or [])
         for b in reversed(self.tables.pop(req).blocks):
             self._decref(b)
+        # Pending copies into blocks nobody holds any more are cancelled, newest first.
+        for i in reversed(range(len(self.copy_ops))):
+            src, dst = self.copy_ops[i]
+            if self.ref[dst] == 0:
+                del self.copy_ops[i]
+                self._decref(src)
 
     def fork(self, parent: int, child: int) -> None:
         p = self.tables[parent]

@@ -26,6 +26,9 @@ __all__ = [
     "__version__",
 ]
 
+# A 1-D integer array (any integer dtype), or a sequence of Python ints.
+_Ints = NDArray[np.integer] | Sequence[int]
+
 __version__: str
 DEBUG_BUILD: bool
 """True when the extension was built without optimizations (benchmarks refuse it)."""
@@ -63,11 +66,26 @@ class KvCacheManager:
 
     Block 0 is the null block (pads tables). The slot of token position ``p`` of a request is
     ``table[p // block_size] * block_size + p % block_size``. Every call takes a batch: request
-    ids as a 1-D ``int64``/``uint64`` array, tokens as one flat ``uint32``/``int32`` array plus
-    ``int64`` offsets (request ``i`` owns ``tokens[offsets[i]:offsets[i + 1]]``). Wrong dtypes or
-    shapes raise ``InvalidArgumentError``; any error leaves the manager unchanged. Running out of
-    blocks is not an error: ``admit`` and ``allocate_slots`` stop at the first request that does
-    not fit.
+    ids, counts and tokens as 1-D integer arrays (any integer dtype; contiguous ``uint32`` tokens
+    are read without a copy), sequences of ints, or one int (a batch of one; for a per-request
+    count or namespace, the value of every request). Tokens of several requests are one flat
+    array plus offsets (request ``i`` owns ``tokens[offsets[i]:offsets[i + 1]]``); offsets may be
+    left out for a batch of one. Request ids and namespaces are ints in ``0 .. 2**63 - 1``
+    (as in ``Scheduler``); token ids in ``0 .. 2**32 - 1``.
+
+    Every bad argument (type, shape, range, unknown or duplicate id) raises a ``KvCoreError``
+    subclass, never ``TypeError`` or ``OverflowError``, and leaves the manager unchanged.
+    Running out of blocks is not an error: ``admit`` and ``allocate_slots`` stop at the first
+    request that does not fit.
+
+    The manager remembers the tokens each request holds: its prompt (given to ``admit``) and
+    every full block stated computed since. ``cache_computed`` and ``free`` must state the same
+    tokens over that range (``InvalidArgumentError`` otherwise), so one request's KV is never
+    published under another's tokens; only a partial last block may still change.
+
+    Thread safety: every method may be called from any thread. Calls are serialized by a lock
+    and each is atomic; a call made while another thread's call runs waits for it (heavy calls
+    release the GIL while they work).
 
     ``prefix_mode`` is ``"radix"`` (radix tree, token-granularity hits), ``"hash"`` (chained
     xxh3-128 block hashes, block-granularity hits) or ``"off"``. Namespaces (cache salt, tenant,
@@ -104,20 +122,20 @@ class KvCacheManager:
 
     def match_prefix(
         self,
-        tokens: NDArray[np.uint32] | NDArray[np.int32],
-        offsets: NDArray[np.int64],
-        namespaces: NDArray[np.int64] | NDArray[np.uint64] | None = None,
+        tokens: int | _Ints,
+        offsets: _Ints | None = None,
+        namespaces: int | _Ints | None = None,
     ) -> NDArray[np.int64]:
-        """Cached prefix length of each prompt (capped at its length - 1). Counts queries in
-        ``stats()``; changes nothing else."""
+        """Cached prefix length of each prompt (capped at its length - 1); without ``offsets``
+        ``tokens`` is one prompt. Counts queries in ``stats()``; changes nothing else."""
 
     def admit(
         self,
-        req_ids: NDArray[np.int64] | NDArray[np.uint64],
-        num_tokens: NDArray[np.int64],
-        tokens: NDArray[np.uint32] | NDArray[np.int32] | None = None,
-        offsets: NDArray[np.int64] | None = None,
-        namespaces: NDArray[np.int64] | NDArray[np.uint64] | None = None,
+        req_ids: int | _Ints,
+        num_tokens: int | _Ints,
+        tokens: int | _Ints | None = None,
+        offsets: _Ints | None = None,
+        namespaces: int | _Ints | None = None,
         watermark_blocks: int = 0,
     ) -> NDArray[np.int64]:
         """Admits requests in order; request ``i``'s table covers ``num_tokens[i]`` tokens.
@@ -126,46 +144,44 @@ class KvCacheManager:
         (capped at ``min(len(prompt), num_tokens[i]) - 1``) and shares the cached blocks; a hit
         ending inside a block copies it (see ``drain_copy_ops``). Stops at the first request
         that would leave fewer than ``watermark_blocks`` free blocks. Returns the prefix-hit
-        length of each admitted request: its length is the number admitted."""
+        length of each admitted request: its length is the number admitted. The prompt becomes
+        tokens the request holds (see the class docs)."""
 
-    def allocate_slots(
-        self, req_ids: NDArray[np.int64] | NDArray[np.uint64], num_total_tokens: NDArray[np.int64]
-    ) -> int:
+    def allocate_slots(self, req_ids: int | _Ints, num_total_tokens: int | _Ints) -> int:
         """Grows each table to cover ``num_total_tokens[i]`` tokens (copy-on-write for a shared
         or cached partial last block). Stops at the first request short of blocks; returns how
         many were grown."""
 
     def cache_computed(
         self,
-        req_ids: NDArray[np.int64] | NDArray[np.uint64],
-        tokens: NDArray[np.uint32] | NDArray[np.int32],
-        offsets: NDArray[np.int64],
+        req_ids: int | _Ints,
+        tokens: int | _Ints,
+        offsets: _Ints | None = None,
     ) -> None:
         """Each request's span is its first tokens, all computed: their full blocks become
-        cached so other requests can hit them."""
+        cached so other requests can hit them. ``InvalidArgumentError`` (nothing cached) if a
+        span is longer than the request's table or disagrees with the tokens it holds. A
+        block waiting for a copy (``drain_copy_ops``) is cached by a later call."""
 
     def free(
         self,
-        req_ids: NDArray[np.int64] | NDArray[np.uint64],
-        tokens: NDArray[np.uint32] | NDArray[np.int32] | None = None,
-        offsets: NDArray[np.int64] | None = None,
+        req_ids: int | _Ints,
+        tokens: int | _Ints | None = None,
+        offsets: _Ints | None = None,
     ) -> None:
-        """Releases requests; with tokens (their computed tokens) full blocks are cached first.
-        Unreferenced cached blocks stay revivable until evicted (LRU, leaves first)."""
+        """Releases requests; with tokens (their computed tokens, checked as in
+        ``cache_computed``) full blocks are cached first. Pending copies into a freed block
+        nobody else holds are cancelled. Unreferenced cached blocks stay revivable until
+        evicted (LRU, leaves first)."""
 
-    def fork(
-        self,
-        parent_ids: NDArray[np.int64] | NDArray[np.uint64],
-        child_ids: NDArray[np.int64] | NDArray[np.uint64],
-    ) -> None:
-        """Each child shares every block of its parent (parallel sampling, beam search)."""
+    def fork(self, parent_ids: int | _Ints, child_ids: int | _Ints) -> None:
+        """Each child shares every block of its parent (parallel sampling, beam search) and
+        the tokens they hold."""
 
     def block_table(self, req_id: int) -> NDArray[np.int32]:
         """One request's block ids in token order."""
 
-    def block_tables(
-        self, req_ids: NDArray[np.int64] | NDArray[np.uint64], width: int | None = None
-    ) -> NDArray[np.int32]:
+    def block_tables(self, req_ids: int | _Ints, width: int | None = None) -> NDArray[np.int32]:
         """``[len(req_ids), width]`` block ids padded with the null block (0); ``width``
         defaults to the longest table."""
 
@@ -173,7 +189,7 @@ class KvCacheManager:
         """Pending copy-on-write ops as ``[n, 2]`` (src, dst) block pairs; clears them. Apply
         them before the next forward pass."""
 
-    def ref_counts(self, block_ids: NDArray[np.int64]) -> NDArray[np.int64]:
+    def ref_counts(self, block_ids: int | _Ints) -> NDArray[np.int64]:
         """Ref count of each block id (``InvalidBlockError`` outside the pool)."""
 
     def free_queue(self) -> NDArray[np.int32]:
@@ -189,11 +205,9 @@ class KvCacheManager:
     def check_invariants(self) -> None:
         """Raises ``InvariantError`` if the pool, tables and cache disagree (a bug)."""
 
-    def __contains__(self, req_id: int, /) -> bool: ...
+    def __contains__(self, req_id: object, /) -> bool:
+        """True for a live request id; False for anything else (never raises)."""
     def __len__(self) -> int: ...
-
-# A 1-D integer array, or a sequence of Python ints (per-request arguments are small).
-_Ints = NDArray[np.integer] | Sequence[int]
 
 @final
 class StepPlan:
@@ -417,7 +431,14 @@ class Scheduler:
     then arrival. Preemption takes the last in that order. A request with ``n > 1`` takes ``n``
     of the ``max_num_seqs`` slots from admission on. Every ``schedule()`` must be followed by
     ``update()`` for its step (an empty plan too). Errors are ``KvCoreError`` subclasses and
-    change nothing; a bad configuration raises ``InvalidArgumentError``.
+    change nothing; a bad configuration or argument of any type raises
+    ``InvalidArgumentError`` (never ``TypeError`` or ``OverflowError``). Request ids and
+    namespaces are ints in ``0 .. 2**63 - 1``, as in ``KvCacheManager``.
+
+    Thread safety: every method may be called from any thread (for example ``add_requests`` or
+    ``abort_requests`` while another thread steps). Calls are serialized by a lock and each is
+    atomic; a call made while another runs waits for it (``schedule`` and ``update`` release
+    the GIL while they work).
     """
 
     def __new__(
@@ -442,8 +463,8 @@ class Scheduler:
 
     def add_requests(
         self,
-        req_ids: _Ints,
-        prompt_token_ids: _Ints,
+        req_ids: int | _Ints,
+        prompt_token_ids: int | _Ints,
         prompt_offsets: _Ints,
         max_tokens: int | _Ints,
         *,
@@ -476,7 +497,7 @@ class Scheduler:
     ) -> None:
         """Adds one request (``add_requests`` for one)."""
 
-    def abort_requests(self, req_ids: _Ints) -> StepOutput:
+    def abort_requests(self, req_ids: int | _Ints) -> StepOutput:
         """Aborts requests (``UnknownRequestError`` if any id is not unfinished; then none is
         aborted). Also between ``schedule`` and ``update``: the aborted rows' samples are then
         ignored. Returns one ``"abort"`` entry per unfinished sample, with its output so far."""

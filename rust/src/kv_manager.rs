@@ -20,7 +20,7 @@
 //! `admit`, then every full block stated as computed). `cache_computed` and `free` must state
 //! the same tokens over that range or are refused, so one request's KV is never published
 //! under another's tokens. Cost: one `memcmp` of the stated tokens per call, and 4 bytes per
-//! known token.
+//! known token. With the prefix cache off nothing is published, so no tokens are kept.
 //!
 //! Duplicates: when `cache_computed` finds a block's tokens already cached under another block,
 //! the request switches to the cached block and frees its own (if no one else holds it), so a
@@ -257,7 +257,9 @@ impl KvManager {
             return Ok(false);
         }
         let mut table = BlockTable::new(ns);
-        table.tokens = tokens.to_vec();
+        if self.cache.mode() != PrefixMode::Off {
+            table.tokens = tokens.to_vec(); // nothing is published without a prefix cache
+        }
         table.blocks.reserve(blocks_for(total, bs));
         for &b in &hit.blocks {
             self.pool.incref(b);
@@ -318,44 +320,26 @@ impl KvManager {
         Ok(true)
     }
 
-    /// Checks that `tokens` may be stated as `req`'s first computed tokens: `req` is live, its
-    /// table covers them, and they agree with the tokens it is known to hold (its prompt and
-    /// the full blocks stated before). What `cache_computed` and `free` check; no effect.
-    pub fn check_tokens(&self, req: u64, tokens: &[u32]) -> KvResult<()> {
-        let t = self.table(req)?;
-        if tokens.len() > t.num_tokens {
-            return Err(KvError::InvalidArgument(format!(
-                "request {req}: {} computed tokens but its table covers {}",
-                tokens.len(),
-                t.num_tokens
-            )));
-        }
-        let k = tokens.len().min(t.tokens.len());
-        if tokens[..k] != t.tokens[..k] {
-            let p = (0..k)
-                .find(|&p| tokens[p] != t.tokens[p])
-                .expect("slices differ");
-            return Err(KvError::InvalidArgument(format!(
-                "request {req}: token {p} is {} but the request holds {} (its tokens cannot \
-                 change once admitted or computed)",
-                tokens[p], t.tokens[p]
-            )));
-        }
-        Ok(())
-    }
-
     /// `tokens` are `req`'s first tokens, all computed: its full blocks among them become
     /// cached. Err if `req` is unknown, `tokens` is longer than its table covers, or they
     /// disagree with the tokens `req` is known to hold (see [`KvManager::check_tokens`]).
     pub fn cache_computed(&mut self, req: u64, tokens: &[u32]) -> KvResult<()> {
         self.check_tokens(req, tokens)?;
+        self.cache_checked(req, tokens);
+        Ok(())
+    }
+
+    /// `cache_computed` for tokens that passed `check_tokens` (batch callers check first).
+    pub(crate) fn cache_checked(&mut self, req: u64, tokens: &[u32]) {
         self.insert_computed(req, tokens);
+        if self.cache.mode() == PrefixMode::Off {
+            return;
+        }
         let full = tokens.len() / self.block_size as usize * self.block_size as usize;
         let t = self.tables.get_mut(&req).expect("checked above");
         if full > t.tokens.len() {
             t.tokens.extend_from_slice(&tokens[t.tokens.len()..full]);
         }
-        Ok(())
     }
 
     /// Releases `req`: caches the full blocks of `tokens` (its computed tokens; may be empty),
@@ -363,15 +347,21 @@ impl KvManager {
     /// that would write into a block nobody holds any more. Err (nothing changed): unknown id,
     /// too many tokens, or tokens that disagree with what `req` holds.
     pub fn free(&mut self, req: u64, tokens: &[u32]) -> KvResult<()> {
-        self.cache_computed(req, tokens)?;
-        let t = self.tables.remove(&req).expect("checked by cache_computed");
+        self.check_tokens(req, tokens)?;
+        self.free_checked(req, tokens);
+        Ok(())
+    }
+
+    /// `free` for tokens that passed `check_tokens` (batch callers check first).
+    pub(crate) fn free_checked(&mut self, req: u64, tokens: &[u32]) {
+        self.cache_checked(req, tokens);
+        let t = self.tables.remove(&req).expect("checked by check_tokens");
         for &b in t.blocks.iter().rev() {
             self.pool.decref(b);
         }
         if !self.copy_ops.is_empty() {
             self.cancel_orphan_copies();
         }
-        Ok(())
     }
 
     /// Drops pending copy ops whose destination nobody holds (it went back to the pool), with

@@ -2,8 +2,8 @@
 //! `check_invariants` (pool, prefix cache, tables and pending copy ops against each other).
 //!
 //! A child module of `kv_manager`, so it reads the manager's private fields; nothing here
-//! mutates. Costs: O(1) per query except `free_queue` (O(blocks)) and `check_invariants`
-//! (O(blocks + table entries)).
+//! mutates. Costs: O(1) per query except `free_queue` (O(blocks)), `check_tokens` (O(tokens))
+//! and `check_invariants` (O(blocks + table entries)).
 
 use super::{CacheStats, KvManager};
 use crate::error::{KvError, KvResult};
@@ -96,6 +96,32 @@ impl KvManager {
             cached_blocks: self.cache.num_cached() as u64,
             ..self.stats
         }
+    }
+
+    /// Checks that `tokens` may be stated as `req`'s first computed tokens: `req` is live, its
+    /// table covers them, and they agree with the tokens it is known to hold (its prompt and
+    /// the full blocks stated before). What `cache_computed` and `free` check; no effect.
+    pub fn check_tokens(&self, req: u64, tokens: &[u32]) -> KvResult<()> {
+        let t = self.table(req)?;
+        if tokens.len() > t.num_tokens {
+            return Err(KvError::InvalidArgument(format!(
+                "request {req}: {} computed tokens but its table covers {}",
+                tokens.len(),
+                t.num_tokens
+            )));
+        }
+        let k = tokens.len().min(t.tokens.len());
+        if tokens[..k] != t.tokens[..k] {
+            let p = (0..k)
+                .find(|&p| tokens[p] != t.tokens[p])
+                .expect("slices differ");
+            return Err(KvError::InvalidArgument(format!(
+                "request {req}: token {p} is {} but the request holds {} (its tokens cannot \
+                 change once admitted or computed)",
+                tokens[p], t.tokens[p]
+            )));
+        }
+        Ok(())
     }
 
     /// Verifies pool, cache and tables against each other (O(blocks + table entries)).

@@ -241,7 +241,11 @@ impl Sim {
                     2 => self.m.allocate_slots(id.max(1 << 40), 1).map(|_| ()),
                     3 if live => self.m.cache_computed(id, &too_many),
                     4 if live => self.m.fork(id, id),
-                    6 | 7 if live && self.reqs[&id].computed > 0 => {
+                    6 | 7
+                        if live
+                            && self.reqs[&id].computed > 0
+                            && self.m.prefix_mode() != PrefixMode::Off =>
+                    {
                         // Token 0 is always known (the prompt): another one is refused.
                         let mut lie = self.reqs[&id].tokens[..self.reqs[&id].computed].to_vec();
                         lie[0] ^= 1 << 20;

@@ -1,13 +1,17 @@
-//! NumPy argument checking for the batch API: dtype, shape and range, before anything mutates.
+//! Array arguments: 1-D NumPy integer arrays (any integer dtype), sequences of Python ints, or
+//! one int (a batch of one, or a value for every request), checked before anything mutates.
 //!
 //! Large inputs (token arrays) are borrowed without a copy when they are contiguous `uint32`;
-//! `int32` tokens are checked for negatives and copied. Per-request arrays (ids, counts,
-//! offsets) are small and copied into `Vec`s. Every failure is an `InvalidArgumentError`.
+//! other integer dtypes and sequences are copied with a range check. Per-request arrays (ids,
+//! counts, offsets) are small and copied into `Vec`s. Every failure is an
+//! `InvalidArgumentError` naming the argument (never a `TypeError` or `OverflowError`).
 
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
+use super::args::int64;
 use crate::error::KvError;
+use crate::kv_manager::MAX_ID;
 
 /// An `InvalidArgumentError` with `msg`.
 pub(crate) fn invalid(msg: String) -> PyErr {
@@ -15,7 +19,7 @@ pub(crate) fn invalid(msg: String) -> PyErr {
 }
 
 /// Describes what `obj` is, for error messages.
-fn describe(obj: &Bound<'_, PyAny>) -> String {
+pub(crate) fn describe(obj: &Bound<'_, PyAny>) -> String {
     match obj.cast::<PyUntypedArray>() {
         Ok(a) => format!(
             "a {}-D array of dtype {}",
@@ -32,7 +36,124 @@ fn describe(obj: &Bound<'_, PyAny>) -> String {
     }
 }
 
-/// Token ids: borrowed from a contiguous `uint32` array, or copied from `int32`.
+/// Reads a 1-D NumPy integer array (any integer dtype) as i64; `None` if `obj` is no array.
+fn int_array(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Option<Vec<i64>>> {
+    macro_rules! read {
+        ($t:ty) => {
+            if let Ok(a) = obj.cast::<PyArray1<$t>>() {
+                let ro = a
+                    .try_readonly()
+                    .map_err(|e| invalid(format!("{name}: {e}")))?;
+                let v: Vec<i64> = match ro.as_slice() {
+                    Ok(s) => s.iter().map(|&x| x as i64).collect(),
+                    Err(_) => ro.as_array().iter().map(|&x| x as i64).collect(),
+                };
+                return Ok(Some(v));
+            }
+        };
+    }
+    read!(i64);
+    read!(i32);
+    read!(u32);
+    read!(i16);
+    read!(u16);
+    read!(i8);
+    read!(u8);
+    if let Ok(a) = obj.cast::<PyArray1<u64>>() {
+        let ro = a
+            .try_readonly()
+            .map_err(|e| invalid(format!("{name}: {e}")))?;
+        let v: Option<Vec<i64>> = ro
+            .as_array()
+            .iter()
+            .map(|&x| i64::try_from(x).ok())
+            .collect();
+        return v
+            .map(Some)
+            .ok_or_else(|| invalid(format!("{name}: a value is 2**63 or more")));
+    }
+    if obj.cast::<PyUntypedArray>().is_ok() {
+        return Err(invalid(format!(
+            "{name} must be a 1-D integer array, got {}",
+            describe(obj)
+        )));
+    }
+    Ok(None)
+}
+
+/// Integer argument values: one int, or an array / sequence of them.
+enum Ints {
+    One(i64),
+    Many(Vec<i64>),
+}
+
+/// Parses an integer array, a sequence of ints or one int (anything with `__index__`).
+fn int_values(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Ints> {
+    if let Some(v) = int_array(obj, name)? {
+        return Ok(Ints::Many(v));
+    }
+    if obj.hasattr("__index__").unwrap_or(false) {
+        return match int64(obj, name)? {
+            Some(v) => Ok(Ints::One(v)),
+            None => Err(invalid(format!("{name}: the value is outside int64"))),
+        };
+    }
+    obj.extract::<Vec<i64>>().map(Ints::Many).map_err(|_| {
+        invalid(format!(
+            "{name} must be an int, a 1-D integer array or a sequence of ints, got {}",
+            describe(obj)
+        ))
+    })
+}
+
+/// An integer array or a sequence of ints; a lone int is a batch of one when `one` is set.
+pub(crate) fn int_batch(obj: &Bound<'_, PyAny>, name: &str, one: bool) -> PyResult<Vec<i64>> {
+    match int_values(obj, name)? {
+        Ints::Many(v) => Ok(v),
+        Ints::One(x) if one => Ok(vec![x]),
+        Ints::One(_) => Err(invalid(format!(
+            "{name} must be a 1-D integer array or a sequence of ints, got {}",
+            describe(obj)
+        ))),
+    }
+}
+
+/// An integer array or a sequence of ints (no lone int).
+pub(crate) fn ints(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
+    int_batch(obj, name, false)
+}
+
+/// Like `ints`, but a lone int is repeated `len` times; `None` gives `default`.
+pub(crate) fn ints_or_scalar(
+    obj: Option<&Bound<'_, PyAny>>,
+    len: usize,
+    default: i64,
+    name: &str,
+) -> PyResult<Vec<i64>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(vec![default; len]);
+    };
+    match int_values(obj, name)? {
+        Ints::One(x) => Ok(vec![x; len]),
+        Ints::Many(v) if v.len() == len => Ok(v),
+        Ints::Many(v) => Err(invalid(format!(
+            "{name} has {} entries for {len} requests",
+            v.len()
+        ))),
+    }
+}
+
+/// Converts with a range check into `T` (u32, i32, u64...), naming the argument on failure.
+pub(crate) fn conv<T: TryFrom<i64>>(v: i64, name: &str) -> PyResult<T> {
+    T::try_from(v).map_err(|_| invalid(format!("{name}: value {v} out of range")))
+}
+
+/// `conv` over a slice.
+pub(crate) fn conv_all<T: TryFrom<i64>>(v: &[i64], name: &str) -> PyResult<Vec<T>> {
+    v.iter().map(|&x| conv(x, name)).collect()
+}
+
+/// Token ids: borrowed from a contiguous `uint32` array, or copied.
 pub(crate) enum Tokens<'py> {
     Borrowed(PyReadonlyArray1<'py, u32>),
     Owned(Vec<u32>),
@@ -48,7 +169,7 @@ impl Tokens<'_> {
     }
 }
 
-/// Parses a 1-D `uint32` or `int32` array of token ids.
+/// Token ids in `0..2**32`: a 1-D integer array, a sequence of ints or one int.
 pub(crate) fn tokens<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Tokens<'py>> {
     if let Ok(a) = obj.cast::<PyArray1<u32>>() {
         let r = a
@@ -74,75 +195,52 @@ pub(crate) fn tokens<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Token
         }
         return Ok(Tokens::Owned(out));
     }
-    Err(invalid(format!(
-        "{name} must be a 1-D uint32 or int32 array, got {}",
-        describe(obj)
-    )))
+    let v = int_batch(obj, name, true)?;
+    match v.iter().find(|&&t| u32::try_from(t).is_err()) {
+        Some(t) => Err(invalid(format!(
+            "{name}: token ids must be in 0..2**32, got {t}"
+        ))),
+        None => Ok(Tokens::Owned(v.into_iter().map(|t| t as u32).collect())),
+    }
 }
 
-/// Parses a 1-D `int64` or `uint64` array of ids (non-negative).
+/// Request ids or namespaces (each in `0..2**63`): an integer array, a sequence or one int.
 pub(crate) fn ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
-    if let Ok(a) = obj.cast::<PyArray1<u64>>() {
-        let r = a
-            .try_readonly()
-            .map_err(|e| invalid(format!("{name}: {e}")))?;
-        return Ok(r.as_array().iter().copied().collect());
-    }
-    if let Some(v) = non_negative_i64s(obj, name, "ids")? {
-        return Ok(v);
-    }
-    Err(invalid(format!(
-        "{name} must be a 1-D int64 or uint64 array, got {}",
-        describe(obj)
-    )))
+    non_negative(int_batch(obj, name, true)?, name, MAX_ID as i64)
 }
 
-/// Parses a 1-D `int64` array as is.
-pub(crate) fn i64s(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
-    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
-        let r = a
-            .try_readonly()
-            .map_err(|e| invalid(format!("{name}: {e}")))?;
-        return Ok(r.as_array().iter().copied().collect());
-    }
-    Err(invalid(format!(
-        "{name} must be a 1-D int64 array, got {}",
-        describe(obj)
-    )))
-}
-
-/// Parses a 1-D `int64` array of non-negative counts or offsets.
+/// Non-negative counts or offsets: an integer array, a sequence or one int.
 pub(crate) fn counts(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usize>> {
-    if let Some(v) = non_negative_i64s(obj, name, "values")? {
-        return Ok(v);
-    }
-    Err(invalid(format!(
-        "{name} must be a 1-D int64 array, got {}",
-        describe(obj)
-    )))
+    non_negative(int_batch(obj, name, true)?, name, i64::MAX)
 }
 
-/// A 1-D `int64` array converted to `T` (`None`: not such an array); a negative entry is an
-/// error naming `what` it holds.
-fn non_negative_i64s<T: TryFrom<i64>>(
-    obj: &Bound<'_, PyAny>,
+/// Like `counts`, but a lone int is repeated for each of `len` requests.
+pub(crate) fn counts_for(obj: &Bound<'_, PyAny>, name: &str, len: usize) -> PyResult<Vec<usize>> {
+    let v = ints_or_scalar(Some(obj), len, 0, name)?;
+    non_negative(v, name, i64::MAX)
+}
+
+/// Like `ids`, but a lone int is repeated for each of `len` requests; `None`: all 0.
+pub(crate) fn ids_for(
+    obj: Option<&Bound<'_, PyAny>>,
     name: &str,
-    what: &str,
-) -> PyResult<Option<Vec<T>>> {
-    let Ok(a) = obj.cast::<PyArray1<i64>>() else {
-        return Ok(None);
-    };
-    let r = a
-        .try_readonly()
-        .map_err(|e| invalid(format!("{name}: {e}")))?;
-    r.as_array()
-        .iter()
-        .map(|&x| {
-            T::try_from(x)
-                .map_err(|_| invalid(format!("{name}: {what} must be non-negative, got {x}")))
+    len: usize,
+) -> PyResult<Vec<u64>> {
+    non_negative(ints_or_scalar(obj, len, 0, name)?, name, MAX_ID as i64)
+}
+
+fn non_negative<T: TryFrom<i64>>(v: Vec<i64>, name: &str, hi: i64) -> PyResult<Vec<T>> {
+    v.into_iter()
+        .map(|x| {
+            if (0..=hi).contains(&x) {
+                T::try_from(x).map_err(|_| invalid(format!("{name}: {x} out of range")))
+            } else {
+                Err(invalid(format!(
+                    "{name}: values must be in 0..={hi}, got {x}"
+                )))
+            }
         })
-        .collect::<PyResult<Vec<T>>>()
-        .map(Some)
+        .collect()
 }
 
 /// Checks `offsets` (`n + 1` non-decreasing values from 0 to `total`) and returns the spans.

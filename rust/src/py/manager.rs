@@ -1,195 +1,143 @@
 //! `KvCacheManager`: the batch Python API over `KvManager`.
 //!
-//! Every call takes many requests at once as NumPy arrays (ids `int64`/`uint64`, tokens as one
-//! flat `uint32`/`int32` array plus `int64` offsets) and returns arrays, so one crossing of the
-//! PyO3 boundary serves a whole batch. Each call validates the whole batch first (dtypes,
-//! shapes, ids, lengths) and raises before changing anything; running out of blocks is not an
-//! error: `admit` and `allocate_slots` stop at the first request that does not fit and report
-//! how far they got. The GIL is released while the core works.
-
-use std::collections::HashSet;
+//! Every call takes many requests at once (ids, counts and tokens as 1-D integer arrays,
+//! sequences of ints, or one int for a batch of one; tokens as one flat array plus offsets),
+//! so one crossing of the PyO3 boundary serves a whole batch. Each call validates the whole
+//! batch first (types, shapes, ranges, ids, the tokens each request holds) and raises before
+//! changing anything; running out of blocks is not an error: `admit` and `allocate_slots` stop
+//! at the first request that does not fit and report how far they got.
+//!
+//! Threads: the manager sits behind a lock (`lock::Shared`): calls from several threads are
+//! serialized, each atomic; heavy calls release the GIL while they work.
 
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::arrays::{counts, i64s, ids, invalid, same_len, spans, tokens, Tokens};
-use crate::error::KvError;
-use crate::kv_manager::{KvManager, KvManagerConfig, PrefixHit};
+use super::args::{count, id, int64, int_in, or_default, text};
+use super::arrays::{counts, counts_for, ids, ids_for, int_batch, invalid, same_len};
+use super::lock::Shared;
+use super::manager_args::{
+    block_id, check_live, check_spans, consistent_repeats, token_spans, too_long, unique,
+};
+use crate::error::{KvError, KvResult};
+use crate::kv_manager::{KvManager, KvManagerConfig, PrefixHit, MAX_BLOCKS, MAX_BLOCK_SIZE};
 use crate::prefix_cache::PrefixMode;
 
 /// Python wrapper of [`KvManager`], exposed as `kvcore.KvCacheManager`.
-#[pyclass(name = "KvCacheManager", module = "kvcore._kvcore")]
+#[pyclass(name = "KvCacheManager", module = "kvcore._kvcore", frozen)]
 pub struct PyKvCacheManager {
-    inner: KvManager,
-}
-
-/// Flat tokens and each request's `[start, end)` span in them.
-type TokenSpans<'py> = (Tokens<'py>, Vec<(usize, usize)>);
-
-/// Optional tokens + offsets, checked together against `n` requests.
-fn token_spans<'py>(
-    toks: Option<&Bound<'py, PyAny>>,
-    offsets: Option<&Bound<'py, PyAny>>,
-    n: usize,
-) -> PyResult<Option<TokenSpans<'py>>> {
-    match (toks, offsets) {
-        (None, None) => Ok(None),
-        (Some(t), Some(o)) => {
-            let t = tokens(t, "tokens")?;
-            let sp = spans(&counts(o, "offsets")?, n, t.slice().len())?;
-            Ok(Some((t, sp)))
-        }
-        _ => Err(invalid("tokens and offsets must be given together".into())),
-    }
-}
-
-fn namespaces(obj: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Vec<u64>> {
-    match obj {
-        None => Ok(vec![0; n]),
-        Some(o) => {
-            let v = ids(o, "namespaces")?;
-            same_len("namespaces", v.len(), n)?;
-            Ok(v)
-        }
-    }
-}
-
-impl PyKvCacheManager {
-    fn check_live(&self, reqs: &[u64]) -> PyResult<()> {
-        match reqs.iter().find(|&&r| !self.inner.contains(r)) {
-            Some(&r) => Err(KvError::UnknownRequest(r).into()),
-            None => Ok(()),
-        }
-    }
-
-    fn check_computed(&self, reqs: &[u64], sp: &[(usize, usize)]) -> PyResult<()> {
-        for (&r, &(s, e)) in reqs.iter().zip(sp) {
-            let covered = self.inner.num_tokens(r)?;
-            if e - s > covered {
-                return Err(invalid(format!(
-                    "request {r}: {} computed tokens but its table covers {covered}",
-                    e - s
-                )));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Rejects a batch that names the same id twice.
-fn unique(reqs: &[u64], dup: impl Fn(u64) -> KvError) -> PyResult<()> {
-    let mut seen = HashSet::with_capacity(reqs.len());
-    match reqs.iter().find(|&&r| !seen.insert(r)) {
-        Some(&r) => Err(dup(r).into()),
-        None => Ok(()),
-    }
+    inner: Shared<KvManager>,
 }
 
 #[pymethods]
 impl PyKvCacheManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size = 16, prefix_mode = "radix"))]
-    fn new(num_blocks: i64, block_size: i64, prefix_mode: &str) -> PyResult<Self> {
-        let num_blocks = u32::try_from(num_blocks)
-            .map_err(|_| invalid(format!("num_blocks must be in 2..=2**26, got {num_blocks}")))?;
-        let block_size = u32::try_from(block_size)
-            .map_err(|_| invalid(format!("block_size must be in 1..=2**16, got {block_size}")))?;
-        let prefix_mode = PrefixMode::parse(prefix_mode)?;
+    #[pyo3(
+        signature = (num_blocks, block_size = None, prefix_mode = None),
+        text_signature = "(num_blocks, block_size=16, prefix_mode='radix')"
+    )]
+    fn new(
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: Option<&Bound<'_, PyAny>>,
+        prefix_mode: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let num_blocks = int_in(num_blocks, "num_blocks", 2, i64::from(MAX_BLOCKS))?;
+        let block_size = or_default(block_size, 16, |o| {
+            int_in(o, "block_size", 1, i64::from(MAX_BLOCK_SIZE))
+        })?;
+        let mode = or_default(prefix_mode, "radix".into(), |o| text(o, "prefix_mode"))?;
+        let inner = KvManager::new(KvManagerConfig {
+            num_blocks,
+            block_size,
+            prefix_mode: PrefixMode::parse(&mode)?,
+        })?;
         Ok(PyKvCacheManager {
-            inner: KvManager::new(KvManagerConfig {
-                num_blocks,
-                block_size,
-                prefix_mode,
-            })?,
+            inner: Shared::new(inner),
         })
     }
 
     #[getter]
-    fn num_blocks(&self) -> u32 {
-        self.inner.num_blocks()
+    fn num_blocks(&self, py: Python<'_>) -> PyResult<u32> {
+        self.inner.with(py, |m| m.num_blocks())
     }
 
     #[getter]
-    fn block_size(&self) -> u32 {
-        self.inner.block_size()
+    fn block_size(&self, py: Python<'_>) -> PyResult<u32> {
+        self.inner.with(py, |m| m.block_size())
     }
 
     #[getter]
-    fn prefix_mode(&self) -> &'static str {
-        self.inner.prefix_mode().name()
+    fn prefix_mode(&self, py: Python<'_>) -> PyResult<&'static str> {
+        self.inner.with(py, |m| m.prefix_mode().name())
     }
 
     #[getter]
-    fn num_free_blocks(&self) -> u32 {
-        self.inner.num_free_blocks()
+    fn num_free_blocks(&self, py: Python<'_>) -> PyResult<u32> {
+        self.inner.with(py, |m| m.num_free_blocks())
     }
 
     #[getter]
-    fn num_requests(&self) -> usize {
-        self.inner.num_requests()
+    fn num_requests(&self, py: Python<'_>) -> PyResult<usize> {
+        self.inner.with(py, |m| m.num_requests())
     }
 
     #[getter]
-    fn usage(&self) -> f64 {
-        self.inner.usage()
+    fn usage(&self, py: Python<'_>) -> PyResult<f64> {
+        self.inner.with(py, |m| m.usage())
     }
 
-    #[pyo3(signature = (tokens, offsets, namespaces = None))]
+    #[pyo3(signature = (tokens, offsets = None, namespaces = None))]
     fn match_prefix<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
-        offsets: &Bound<'py, PyAny>,
+        offsets: Option<&Bound<'py, PyAny>>,
         namespaces: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let offs = counts(offsets, "offsets")?;
-        let n = offs.len().saturating_sub(1);
-        let (t, sp) = token_spans(Some(tokens), Some(offsets), n)?.expect("both given");
-        let ns = self::namespaces(namespaces, n)?;
+        let n = match offsets.filter(|o| !o.is_none()) {
+            Some(o) => counts(o, "offsets")?.len().saturating_sub(1),
+            None => 1,
+        };
+        let (t, sp) = token_spans(Some(tokens), offsets, n)?.expect("tokens given");
+        let ns = ids_for(namespaces, "namespaces", n)?;
         let toks = t.slice();
-        let inner = &mut self.inner;
-        let hits: Vec<i64> = py.detach(|| {
+        let hits = self.inner.detached(py, |m| {
             sp.iter()
                 .zip(&ns)
                 .map(|(&(s, e), &ns)| {
-                    inner
-                        .match_prefix(ns, &toks[s..e], (e - s).saturating_sub(1))
+                    m.match_prefix(ns, &toks[s..e], (e - s).saturating_sub(1))
                         .num_tokens as i64
                 })
-                .collect()
-        });
+                .collect::<Vec<i64>>()
+        })?;
         Ok(PyArray1::from_vec(py, hits))
     }
 
-    #[pyo3(signature = (req_ids, num_tokens, tokens = None, offsets = None, namespaces = None, watermark_blocks = 0))]
+    #[pyo3(
+        signature = (req_ids, num_tokens, tokens = None, offsets = None, namespaces = None, watermark_blocks = None),
+        text_signature = "(self, req_ids, num_tokens, tokens=None, offsets=None, namespaces=None, watermark_blocks=0)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn admit<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         req_ids: &Bound<'py, PyAny>,
         num_tokens: &Bound<'py, PyAny>,
         tokens: Option<&Bound<'py, PyAny>>,
         offsets: Option<&Bound<'py, PyAny>>,
         namespaces: Option<&Bound<'py, PyAny>>,
-        watermark_blocks: i64,
+        watermark_blocks: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let reqs = ids(req_ids, "req_ids")?;
         let n = reqs.len();
-        let totals = counts(num_tokens, "num_tokens")?;
-        same_len("num_tokens", totals.len(), n)?;
+        let totals = counts_for(num_tokens, "num_tokens", n)?;
         let ts = token_spans(tokens, offsets, n)?;
-        let ns = self::namespaces(namespaces, n)?;
-        let wm = u32::try_from(watermark_blocks).map_err(|_| {
-            invalid(format!(
-                "watermark_blocks must be non-negative, got {watermark_blocks}"
-            ))
+        let ns = ids_for(namespaces, "namespaces", n)?;
+        let wm = or_default(watermark_blocks, 0u32, |o| {
+            count(o, "watermark_blocks", i64::from(u32::MAX))
         })?;
         unique(&reqs, KvError::DuplicateRequest)?;
-        if let Some(&r) = reqs.iter().find(|&&r| self.inner.contains(r)) {
-            return Err(KvError::DuplicateRequest(r).into());
-        }
-        let max = self.inner.max_tokens();
         for (i, &total) in totals.iter().enumerate() {
             if total == 0 {
                 return Err(invalid(format!(
@@ -197,108 +145,83 @@ impl PyKvCacheManager {
                     reqs[i]
                 )));
             }
-            if total > max {
-                return Err(KvError::TooLong(format!(
-                    "request {} needs {total} tokens; the pool holds {max}",
-                    reqs[i]
-                ))
-                .into());
-            }
-            if let Some((_, sp)) = &ts {
-                if sp[i].0 == sp[i].1 {
-                    return Err(invalid(format!("request {}: empty prompt", reqs[i])));
-                }
+            if matches!(&ts, Some((_, sp)) if sp[i].0 == sp[i].1) {
+                return Err(invalid(format!("request {}: empty prompt", reqs[i])));
             }
         }
         let ts = ts.as_ref().map(|(t, sp)| (t.slice(), sp));
-        let inner = &mut self.inner;
-        let hits: PyResult<Vec<i64>> = py.detach(|| {
+        let hits = self.inner.detached(py, |m| -> KvResult<Vec<i64>> {
+            if let Some(&r) = reqs.iter().find(|&&r| m.contains(r)) {
+                return Err(KvError::DuplicateRequest(r));
+            }
+            too_long(m, &reqs, &totals)?;
             let mut hits = Vec::with_capacity(n);
             let empty = PrefixHit::default();
             for i in 0..n {
-                let ok = match &ts {
+                let (toks, hit) = match &ts {
                     Some((t, sp)) => {
                         let toks = &t[sp[i].0..sp[i].1];
                         let cap = toks.len().min(totals[i]) - 1;
-                        let hit = inner.match_prefix(ns[i], toks, cap);
-                        let new = totals[i] - hit.num_tokens;
-                        let ok = inner.admit(reqs[i], ns[i], toks, &hit, new, wm)?;
-                        if ok {
-                            hits.push(hit.num_tokens as i64);
-                        }
-                        ok
+                        (toks, m.match_prefix(ns[i], toks, cap))
                     }
-                    None => {
-                        let ok = inner.admit(reqs[i], ns[i], &[], &empty, totals[i], wm)?;
-                        if ok {
-                            hits.push(0);
-                        }
-                        ok
-                    }
+                    None => (&[][..], empty.clone()),
                 };
-                if !ok {
+                let new = totals[i] - hit.num_tokens;
+                if !m.admit(reqs[i], ns[i], toks, &hit, new, wm)? {
                     break;
                 }
+                hits.push(hit.num_tokens as i64);
             }
             Ok(hits)
-        });
-        Ok(PyArray1::from_vec(py, hits?))
+        })??;
+        Ok(PyArray1::from_vec(py, hits))
     }
 
     fn allocate_slots(
-        &mut self,
+        &self,
         py: Python<'_>,
         req_ids: &Bound<'_, PyAny>,
         num_total_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let reqs = ids(req_ids, "req_ids")?;
-        let totals = counts(num_total_tokens, "num_total_tokens")?;
-        same_len("num_total_tokens", totals.len(), reqs.len())?;
-        self.check_live(&reqs)?;
-        let max = self.inner.max_tokens();
-        if let Some(i) = totals.iter().position(|&t| t > max) {
-            return Err(KvError::TooLong(format!(
-                "request {} needs {} tokens; the pool holds {max}",
-                reqs[i], totals[i]
-            ))
-            .into());
-        }
-        let inner = &mut self.inner;
-        py.detach(|| {
+        let totals = counts_for(num_total_tokens, "num_total_tokens", reqs.len())?;
+        Ok(self.inner.detached(py, |m| -> KvResult<usize> {
+            check_live(m, &reqs)?;
+            too_long(m, &reqs, &totals)?;
             for (i, (&r, &t)) in reqs.iter().zip(&totals).enumerate() {
-                if !inner.allocate_slots(r, t)? {
+                if !m.allocate_slots(r, t)? {
                     return Ok(i);
                 }
             }
             Ok(reqs.len())
-        })
+        })??)
     }
 
-    #[pyo3(signature = (req_ids, tokens, offsets))]
+    #[pyo3(signature = (req_ids, tokens, offsets = None))]
     fn cache_computed(
-        &mut self,
+        &self,
         py: Python<'_>,
         req_ids: &Bound<'_, PyAny>,
         tokens: &Bound<'_, PyAny>,
-        offsets: &Bound<'_, PyAny>,
+        offsets: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let reqs = ids(req_ids, "req_ids")?;
-        let (t, sp) = token_spans(Some(tokens), Some(offsets), reqs.len())?.expect("both given");
-        self.check_live(&reqs)?;
-        self.check_computed(&reqs, &sp)?;
+        let (t, sp) = token_spans(Some(tokens), offsets, reqs.len())?.expect("tokens given");
         let toks = t.slice();
-        let inner = &mut self.inner;
-        py.detach(|| {
+        consistent_repeats(&reqs, toks, &sp)?;
+        Ok(self.inner.detached(py, |m| -> KvResult<()> {
+            check_live(m, &reqs)?;
+            check_spans(m, &reqs, toks, &sp)?;
             for (&r, &(s, e)) in reqs.iter().zip(&sp) {
-                inner.cache_computed(r, &toks[s..e])?;
+                m.cache_checked(r, &toks[s..e]);
             }
             Ok(())
-        })
+        })??)
     }
 
     #[pyo3(signature = (req_ids, tokens = None, offsets = None))]
     fn free(
-        &mut self,
+        &self,
         py: Python<'_>,
         req_ids: &Bound<'_, PyAny>,
         tokens: Option<&Bound<'_, PyAny>>,
@@ -309,54 +232,54 @@ impl PyKvCacheManager {
         unique(&reqs, |r| {
             KvError::DoubleFree(format!("request {r} is freed twice in one batch"))
         })?;
-        self.check_live(&reqs)?;
-        if let Some((_, sp)) = &ts {
-            self.check_computed(&reqs, sp)?;
-        }
         let ts = ts.as_ref().map(|(t, sp)| (t.slice(), sp));
-        let inner = &mut self.inner;
-        py.detach(|| {
+        Ok(self.inner.detached(py, |m| -> KvResult<()> {
+            check_live(m, &reqs)?;
+            if let Some((t, sp)) = &ts {
+                check_spans(m, &reqs, t, sp)?;
+            }
             for (i, &r) in reqs.iter().enumerate() {
                 match &ts {
-                    Some((t, sp)) => inner.free(r, &t[sp[i].0..sp[i].1])?,
-                    None => inner.free(r, &[])?,
+                    Some((t, sp)) => m.free_checked(r, &t[sp[i].0..sp[i].1]),
+                    None => m.free_checked(r, &[]),
                 }
             }
             Ok(())
-        })
+        })??)
     }
 
     fn fork(
-        &mut self,
+        &self,
+        py: Python<'_>,
         parent_ids: &Bound<'_, PyAny>,
         child_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let parents = ids(parent_ids, "parent_ids")?;
         let children = ids(child_ids, "child_ids")?;
         same_len("child_ids", children.len(), parents.len())?;
-        self.check_live(&parents)?;
         unique(&children, KvError::DuplicateRequest)?;
-        if let Some(&c) = children.iter().find(|&&c| self.inner.contains(c)) {
-            return Err(KvError::DuplicateRequest(c).into());
-        }
-        for (&p, &c) in parents.iter().zip(&children) {
-            self.inner.fork(p, c)?;
-        }
-        Ok(())
+        Ok(self.inner.with(py, |m| -> KvResult<()> {
+            check_live(m, &parents)?;
+            if let Some(&c) = children.iter().find(|&&c| m.contains(c)) {
+                return Err(KvError::DuplicateRequest(c));
+            }
+            for (&p, &c) in parents.iter().zip(&children) {
+                m.fork(p, c)?;
+            }
+            Ok(())
+        })??)
     }
 
     fn block_table<'py>(
         &self,
         py: Python<'py>,
-        req_id: i64,
+        req_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let req = u64::try_from(req_id)
-            .map_err(|_| invalid(format!("request ids are non-negative, got {req_id}")))?;
-        let t = self.inner.block_table(req)?;
-        Ok(PyArray1::from_vec(
-            py,
-            t.iter().map(|&b| b as i32).collect(),
-        ))
+        let req = id(req_id, "req_id")?;
+        let t = self.inner.with(py, |m| -> KvResult<Vec<i32>> {
+            Ok(m.block_table(req)?.iter().map(|&b| b as i32).collect())
+        })??;
+        Ok(PyArray1::from_vec(py, t))
     }
 
     #[pyo3(signature = (req_ids, width = None))]
@@ -364,45 +287,47 @@ impl PyKvCacheManager {
         &self,
         py: Python<'py>,
         req_ids: &Bound<'py, PyAny>,
-        width: Option<i64>,
+        width: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let reqs = ids(req_ids, "req_ids")?;
-        self.check_live(&reqs)?;
-        let longest = reqs
-            .iter()
-            .map(|&r| self.inner.block_table(r).map(|t| t.len()).unwrap_or(0))
-            .max()
-            .unwrap_or(0);
-        let w = match width {
-            None => longest,
-            Some(w) => usize::try_from(w)
-                .map_err(|_| invalid(format!("width must be non-negative, got {w}")))?,
-        };
-        if w < longest {
-            return Err(invalid(format!(
-                "width {w} is narrower than the longest table ({longest} blocks)"
-            )));
-        }
-        // No table can hold more than every block of the pool: a wider request is a mistake.
-        if w > self.inner.num_blocks() as usize {
-            return Err(invalid(format!(
-                "width {w} exceeds the pool ({} blocks)",
-                self.inner.num_blocks()
-            )));
-        }
-        let mut out = vec![0i32; reqs.len() * w];
-        for (row, &r) in reqs.iter().enumerate() {
-            for (j, &b) in self.inner.block_table(r)?.iter().enumerate() {
-                out[row * w + j] = b as i32;
+        let width = or_default(width, None, |o| count(o, "width", i64::MAX).map(Some))?;
+        let (flat, w) = self.inner.with(py, |m| -> KvResult<(Vec<i32>, usize)> {
+            check_live(m, &reqs)?;
+            let longest = reqs
+                .iter()
+                .map(|&r| m.block_table(r).map_or(0, |t| t.len()))
+                .max()
+                .unwrap_or(0);
+            let w = width.unwrap_or(longest);
+            if w < longest {
+                return Err(KvError::InvalidArgument(format!(
+                    "width {w} is narrower than the longest table ({longest} blocks)"
+                )));
             }
-        }
-        let arr = PyArray1::from_vec(py, out);
-        arr.reshape([reqs.len(), w])
+            // No table can hold more than every block of the pool: a wider request is a mistake.
+            if w > m.num_blocks() as usize {
+                return Err(KvError::InvalidArgument(format!(
+                    "width {w} exceeds the pool ({} blocks)",
+                    m.num_blocks()
+                )));
+            }
+            let mut out = vec![0i32; reqs.len() * w];
+            for (row, &r) in reqs.iter().enumerate() {
+                for (j, &b) in m.block_table(r)?.iter().enumerate() {
+                    out[row * w + j] = b as i32;
+                }
+            }
+            Ok((out, w))
+        })??;
+        PyArray1::from_vec(py, flat).reshape([reqs.len(), w])
     }
 
-    fn drain_copy_ops<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let mut ops = Vec::new();
-        self.inner.drain_copy_ops(&mut ops);
+    fn drain_copy_ops<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let ops = self.inner.with(py, |m| {
+            let mut ops = Vec::new();
+            m.drain_copy_ops(&mut ops);
+            ops
+        })?;
         let flat: Vec<i32> = ops
             .iter()
             .flat_map(|op| [op[0] as i32, op[1] as i32])
@@ -415,37 +340,35 @@ impl PyKvCacheManager {
         py: Python<'py>,
         block_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let blocks = i64s(block_ids, "block_ids")?;
-        let mut out = Vec::with_capacity(blocks.len());
-        for &b in &blocks {
-            let id = u32::try_from(b)
-                .map_err(|_| KvError::InvalidBlock(format!("block {b} outside the pool")))?;
-            out.push(self.inner.ref_count(id)? as i64);
-        }
+        let blocks = int_batch(block_ids, "block_ids", true)?;
+        let out = self.inner.with(py, |m| -> KvResult<Vec<i64>> {
+            blocks
+                .iter()
+                .map(|&b| Ok(i64::from(m.ref_count(block_id(m, Some(b))?)?)))
+                .collect()
+        })??;
         Ok(PyArray1::from_vec(py, out))
     }
 
-    fn free_queue<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        PyArray1::from_vec(
-            py,
-            self.inner
-                .free_queue()
+    fn free_queue<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let q = self.inner.with(py, |m| {
+            m.free_queue()
                 .into_iter()
                 .map(|b| b as i32)
-                .collect(),
-        )
+                .collect::<Vec<i32>>()
+        })?;
+        Ok(PyArray1::from_vec(py, q))
     }
 
-    fn block_hash(&self, block_id: i64) -> PyResult<Option<u128>> {
-        let id = u32::try_from(block_id)
-            .ok()
-            .filter(|&b| b < self.inner.num_blocks())
-            .ok_or_else(|| KvError::InvalidBlock(format!("block {block_id} outside the pool")))?;
-        Ok(self.inner.block_hash(id))
+    fn block_hash(&self, py: Python<'_>, block_id: &Bound<'_, PyAny>) -> PyResult<Option<u128>> {
+        let b = int64(block_id, "block_id")?;
+        Ok(self.inner.with(py, |m| -> KvResult<Option<u128>> {
+            Ok(m.block_hash(self::block_id(m, b)?))
+        })??)
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
+        let s = self.inner.with(py, |m| m.stats())?;
         let d = PyDict::new(py);
         d.set_item("queries", s.queries)?;
         d.set_item("query_tokens", s.query_tokens)?;
@@ -457,26 +380,33 @@ impl PyKvCacheManager {
         Ok(d)
     }
 
-    fn check_invariants(&self) -> PyResult<()> {
-        Ok(self.inner.check_invariants()?)
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        Ok(self.inner.detached(py, |m| m.check_invariants())??)
     }
 
-    fn __contains__(&self, req_id: i64) -> bool {
-        u64::try_from(req_id).is_ok_and(|r| self.inner.contains(r))
+    /// False for anything but a live request id (never raises).
+    fn __contains__(&self, py: Python<'_>, req_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        match id(req_id, "req_id") {
+            Ok(r) => self.inner.with(py, |m| m.contains(r)),
+            Err(_) => Ok(false),
+        }
     }
 
-    fn __len__(&self) -> usize {
-        self.inner.num_requests()
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        self.inner.with(py, |m| m.num_requests())
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "KvCacheManager(num_blocks={}, block_size={}, prefix_mode='{}', num_free_blocks={}, num_requests={})",
-            self.inner.num_blocks(),
-            self.inner.block_size(),
-            self.inner.prefix_mode().name(),
-            self.inner.num_free_blocks(),
-            self.inner.num_requests()
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        self.inner.with(py, |m| {
+            format!(
+                "KvCacheManager(num_blocks={}, block_size={}, prefix_mode='{}', \
+                 num_free_blocks={}, num_requests={})",
+                m.num_blocks(),
+                m.block_size(),
+                m.prefix_mode().name(),
+                m.num_free_blocks(),
+                m.num_requests()
+            )
+        })
     }
 }

@@ -1,13 +1,19 @@
 //! The PyO3 module `kvcore._kvcore`: the only folder of the crate that mentions pyo3.
 //!
 //! Each wrapper type is named `PyX` here and exposed as `X` in Python. Calls are batched:
-//! ids and counts cross as NumPy arrays, never as per-block Python objects.
+//! ids and counts cross as NumPy arrays (or int sequences), never as per-block Python objects.
+//! Every argument is parsed by hand (`args`, `arrays`), so bad input raises a `KvCoreError`
+//! subclass, never `TypeError`/`OverflowError`; the stateful classes sit behind a lock
+//! (`lock`) and are safe to share between threads.
 
 use pyo3::prelude::*;
 
+pub(crate) mod args;
 pub(crate) mod arrays;
 pub(crate) mod errors;
+mod lock;
 mod manager;
+mod manager_args;
 mod sched_args;
 mod scheduler;
 mod step_output;

@@ -4,15 +4,19 @@
 //! Rust vectors handed to NumPy without a copy (`PyArray::from_vec`), and `update()` takes the
 //! sampled tokens as one NumPy array. Admission and abort are batched (flat arrays + offsets).
 //! The heavy Rust work runs with the GIL released. Every argument is validated before the
-//! scheduler is touched, so a refused call changes nothing; integers that do not fit raise
-//! `InvalidArgumentError`, not `OverflowError`.
+//! scheduler is touched, so a refused call changes nothing; every bad argument (a wrong type,
+//! an integer that does not fit) raises `InvalidArgumentError`, never `TypeError` or
+//! `OverflowError`. The scheduler sits behind a lock (`lock::Shared`): calls from several
+//! threads are serialized, each atomic.
 
 use std::time::Instant;
 
 use pyo3::prelude::*;
 
-use super::arrays::invalid;
-use super::sched_args::{conv, conv_all, ints, ints_or_scalar, sampled_tokens, split};
+use super::args::{count, flag, id, int_in, or_default, real, text};
+use super::arrays::{conv_all, int_batch, ints, ints_or_scalar, invalid};
+use super::lock::Shared;
+use super::sched_args::{sampled_tokens, split};
 use super::step_output::{PySchedulerStats, PyStepOutput, PyStepPlan};
 use crate::error::KvError;
 use crate::prefix_cache::PrefixMode;
@@ -20,42 +24,79 @@ use crate::request::NewRequest;
 use crate::sched::{Policy, Scheduler, SchedulerConfig};
 
 /// The continuous-batching scheduler (documented in `_kvcore.pyi`).
-#[pyclass(name = "Scheduler", module = "kvcore._kvcore")]
+#[pyclass(name = "Scheduler", module = "kvcore._kvcore", frozen)]
 pub struct PyScheduler {
-    inner: Scheduler,
+    inner: Shared<Scheduler>,
+    /// A copy of the (immutable) configuration, read without the lock.
+    cfg: SchedulerConfig,
+}
+
+/// A `u32` count argument.
+fn u32_arg(obj: Option<&Bound<'_, PyAny>>, default: u32, name: &str) -> PyResult<u32> {
+    or_default(obj, default, |o| count(o, name, i64::from(u32::MAX)))
+}
+
+/// `ignore_eos`: one bool for all, or one per request (bools or 0/1 ints).
+fn ignore_flags(obj: Option<&Bound<'_, PyAny>>, k: usize) -> PyResult<Vec<bool>> {
+    let Some(o) = obj.filter(|o| !o.is_none()) else {
+        return Ok(vec![false; k]);
+    };
+    if let Ok(b) = flag(o, "ignore_eos") {
+        return Ok(vec![b; k]);
+    }
+    let v = match o.extract::<Vec<bool>>() {
+        Ok(v) => v,
+        Err(_) => ints(o, "ignore_eos")?.into_iter().map(|x| x != 0).collect(),
+    };
+    if v.len() != k {
+        return Err(invalid(format!(
+            "ignore_eos has {} entries for {k} requests",
+            v.len()
+        )));
+    }
+    Ok(v)
 }
 
 #[pymethods]
 impl PyScheduler {
     #[new]
-    #[pyo3(signature = (
-        num_blocks, block_size=16, max_num_batched_tokens=8192, max_num_seqs=256,
-        max_model_len=8192, prefix_mode="radix", policy="fcfs", long_prefill_token_threshold=0,
-        watermark=0.01, eos_token_id=None, enable_chunked_prefill=true
-    ))]
+    #[pyo3(
+        signature = (
+            num_blocks, block_size=None, max_num_batched_tokens=None, max_num_seqs=None,
+            max_model_len=None, prefix_mode=None, policy=None, long_prefill_token_threshold=None,
+            watermark=None, eos_token_id=None, enable_chunked_prefill=None
+        ),
+        text_signature = "(num_blocks, block_size=16, max_num_batched_tokens=8192, \
+            max_num_seqs=256, max_model_len=8192, prefix_mode='radix', policy='fcfs', \
+            long_prefill_token_threshold=0, watermark=0.01, eos_token_id=None, \
+            enable_chunked_prefill=True)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        num_blocks: i64,
-        block_size: i64,
-        max_num_batched_tokens: i64,
-        max_num_seqs: i64,
-        max_model_len: i64,
-        prefix_mode: &str,
-        policy: &str,
-        long_prefill_token_threshold: i64,
-        watermark: f64,
-        eos_token_id: Option<i64>,
-        enable_chunked_prefill: bool,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: Option<&Bound<'_, PyAny>>,
+        max_num_batched_tokens: Option<&Bound<'_, PyAny>>,
+        max_num_seqs: Option<&Bound<'_, PyAny>>,
+        max_model_len: Option<&Bound<'_, PyAny>>,
+        prefix_mode: Option<&Bound<'_, PyAny>>,
+        policy: Option<&Bound<'_, PyAny>>,
+        long_prefill_token_threshold: Option<&Bound<'_, PyAny>>,
+        watermark: Option<&Bound<'_, PyAny>>,
+        eos_token_id: Option<&Bound<'_, PyAny>>,
+        enable_chunked_prefill: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
-            conv(num_blocks, "num_blocks")?,
-            conv(block_size, "block_size")?,
+            u32_arg(Some(num_blocks), 0, "num_blocks")?,
+            u32_arg(block_size, 16, "block_size")?,
         );
-        cfg.max_num_batched_tokens = conv(max_num_batched_tokens, "max_num_batched_tokens")?;
-        cfg.max_num_seqs = conv(max_num_seqs, "max_num_seqs")?;
-        cfg.max_model_len = conv(max_model_len, "max_model_len")?;
-        cfg.prefix_mode = PrefixMode::parse(prefix_mode)?;
-        cfg.policy = match policy {
+        cfg.max_num_batched_tokens =
+            u32_arg(max_num_batched_tokens, 8192, "max_num_batched_tokens")?;
+        cfg.max_num_seqs = u32_arg(max_num_seqs, 256, "max_num_seqs")?;
+        cfg.max_model_len = u32_arg(max_model_len, 8192, "max_model_len")?;
+        let mode = or_default(prefix_mode, "radix".into(), |o| text(o, "prefix_mode"))?;
+        cfg.prefix_mode = PrefixMode::parse(&mode)?;
+        let policy = or_default(policy, "fcfs".into(), |o| text(o, "policy"))?;
+        cfg.policy = match policy.as_str() {
             "fcfs" => Policy::Fcfs,
             "priority" => Policy::Priority,
             _ => {
@@ -64,13 +105,22 @@ impl PyScheduler {
                 )))
             }
         };
-        cfg.long_prefill_token_threshold =
-            conv(long_prefill_token_threshold, "long_prefill_token_threshold")?;
-        cfg.enable_chunked_prefill = enable_chunked_prefill;
-        cfg.watermark = watermark;
-        cfg.eos_token_id = eos_token_id.map(|t| conv(t, "eos_token_id")).transpose()?;
+        cfg.long_prefill_token_threshold = u32_arg(
+            long_prefill_token_threshold,
+            0,
+            "long_prefill_token_threshold",
+        )?;
+        cfg.enable_chunked_prefill = or_default(enable_chunked_prefill, true, |o| {
+            flag(o, "enable_chunked_prefill")
+        })?;
+        cfg.watermark = or_default(watermark, 0.01, |o| real(o, "watermark"))?;
+        cfg.eos_token_id = or_default(eos_token_id, None, |o| {
+            count(o, "eos_token_id", i64::from(u32::MAX)).map(Some)
+        })?;
+        let inner = Scheduler::new(cfg.clone())?;
         Ok(PyScheduler {
-            inner: Scheduler::new(cfg)?,
+            inner: Shared::new(inner),
+            cfg,
         })
     }
 
@@ -80,7 +130,8 @@ impl PyScheduler {
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_requests(
-        &mut self,
+        &self,
+        py: Python<'_>,
         req_ids: &Bound<'_, PyAny>,
         prompt_token_ids: &Bound<'_, PyAny>,
         prompt_offsets: &Bound<'_, PyAny>,
@@ -92,10 +143,10 @@ impl PyScheduler {
         stop_token_ids: Option<&Bound<'_, PyAny>>,
         stop_offsets: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let ids: Vec<u64> = conv_all(&ints(req_ids, "req_ids")?, "req_ids")?;
+        let ids: Vec<u64> = conv_all(&int_batch(req_ids, "req_ids", true)?, "req_ids")?;
         let k = ids.len();
         let tokens: Vec<u32> = conv_all(
-            &ints(prompt_token_ids, "prompt_token_ids")?,
+            &int_batch(prompt_token_ids, "prompt_token_ids", true)?,
             "prompt_token_ids",
         )?;
         let prompts = split(
@@ -117,22 +168,9 @@ impl PyScheduler {
             "namespaces",
         )?;
         let ns: Vec<u32> = conv_all(&ints_or_scalar(n, k, 1, "n")?, "n")?;
-        let ignore: Vec<i64> = match ignore_eos {
-            None => vec![0; k],
-            Some(o) => match o.extract::<bool>() {
-                Ok(b) => vec![i64::from(b); k],
-                Err(_) => match o.extract::<Vec<bool>>() {
-                    Ok(v) => v.into_iter().map(i64::from).collect(),
-                    Err(_) => ints_or_scalar(Some(o), k, 0, "ignore_eos")?,
-                },
-            },
-        };
-        if ignore.len() != k {
-            return Err(invalid(format!(
-                "ignore_eos has {} entries for {k} requests",
-                ignore.len()
-            )));
-        }
+        let ignore = ignore_flags(ignore_eos, k)?;
+        let stop_token_ids = stop_token_ids.filter(|o| !o.is_none());
+        let stop_offsets = stop_offsets.filter(|o| !o.is_none());
         let stops = match (stop_token_ids, stop_offsets) {
             (None, None) => vec![Vec::new(); k],
             (Some(t), Some(o)) => {
@@ -145,7 +183,7 @@ impl PyScheduler {
                 ))
             }
         };
-        let reqs = (0..k)
+        let reqs: Vec<NewRequest> = (0..k)
             .zip(prompts)
             .zip(stops)
             .map(|((i, prompt), stop)| NewRequest {
@@ -155,136 +193,138 @@ impl PyScheduler {
                 priority: priorities[i],
                 namespace: namespaces[i],
                 n: ns[i],
-                ignore_eos: ignore[i] != 0,
+                ignore_eos: ignore[i],
                 stop_token_ids: stop,
             })
             .collect();
-        Ok(self.inner.add_requests(reqs)?)
+        Ok(self.inner.with(py, |s| s.add_requests(reqs))??)
     }
 
-    #[pyo3(signature = (
-        req_id, prompt_token_ids, max_tokens, *, priority=0, namespace=0, n=1, ignore_eos=false,
-        stop_token_ids=None
-    ))]
+    #[pyo3(
+        signature = (
+            req_id, prompt_token_ids, max_tokens, *, priority=None, namespace=None, n=None,
+            ignore_eos=None, stop_token_ids=None
+        ),
+        text_signature = "(self, req_id, prompt_token_ids, max_tokens, *, priority=0, \
+            namespace=0, n=1, ignore_eos=False, stop_token_ids=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
-        &mut self,
-        req_id: i64,
+        &self,
+        py: Python<'_>,
+        req_id: &Bound<'_, PyAny>,
         prompt_token_ids: &Bound<'_, PyAny>,
-        max_tokens: i64,
-        priority: i64,
-        namespace: i64,
-        n: i64,
-        ignore_eos: bool,
+        max_tokens: &Bound<'_, PyAny>,
+        priority: Option<&Bound<'_, PyAny>>,
+        namespace: Option<&Bound<'_, PyAny>>,
+        n: Option<&Bound<'_, PyAny>>,
+        ignore_eos: Option<&Bound<'_, PyAny>>,
         stop_token_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let stops = match stop_token_ids {
+        let stops = match stop_token_ids.filter(|o| !o.is_none()) {
             None => Vec::new(),
             Some(s) => conv_all(&ints(s, "stop_token_ids")?, "stop_token_ids")?,
         };
         let r = NewRequest {
-            id: conv(req_id, "req_id")?,
+            id: id(req_id, "req_id")?,
             prompt: conv_all(
                 &ints(prompt_token_ids, "prompt_token_ids")?,
                 "prompt_token_ids",
             )?,
-            max_tokens: conv(max_tokens, "max_tokens")?,
-            priority: conv(priority, "priority")?,
-            namespace: conv(namespace, "namespace")?,
-            n: conv(n, "n")?,
-            ignore_eos,
+            max_tokens: count(max_tokens, "max_tokens", i64::from(u32::MAX))?,
+            priority: or_default(priority, 0, |o| {
+                int_in(o, "priority", i64::from(i32::MIN), i64::from(i32::MAX))
+            })?,
+            namespace: or_default(namespace, 0, |o| id(o, "namespace"))?,
+            n: u32_arg(n, 1, "n")?,
+            ignore_eos: or_default(ignore_eos, false, |o| flag(o, "ignore_eos"))?,
             stop_token_ids: stops,
         };
-        Ok(self.inner.add_requests(vec![r])?)
+        Ok(self.inner.with(py, |s| s.add_requests(vec![r]))??)
     }
 
-    fn abort_requests(
-        &mut self,
-        py: Python<'_>,
-        req_ids: &Bound<'_, PyAny>,
-    ) -> PyResult<PyStepOutput> {
-        let ids: Vec<u64> = conv_all(&ints(req_ids, "req_ids")?, "req_ids")?;
-        let fs = self.inner.abort_requests(&ids)?;
+    fn abort_requests(&self, py: Python<'_>, req_ids: &Bound<'_, PyAny>) -> PyResult<PyStepOutput> {
+        let ids: Vec<u64> = conv_all(&int_batch(req_ids, "req_ids", true)?, "req_ids")?;
+        let fs = self.inner.with(py, |s| s.abort_requests(&ids))??;
         PyStepOutput::new(py, fs)
     }
 
-    fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
-        let inner = &mut self.inner;
-        let plan = py.detach(|| inner.schedule())?;
+    fn schedule(&self, py: Python<'_>) -> PyResult<PyStepPlan> {
+        let plan = self.inner.detached(py, |s| s.schedule())??;
         PyStepPlan::new(py, plan)
     }
 
     fn update(
-        &mut self,
+        &self,
         py: Python<'_>,
-        step_id: i64,
+        step_id: &Bound<'_, PyAny>,
         sampled_token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<PyStepOutput> {
-        let step: u64 = conv(step_id, "step_id")?;
+        let step: u64 = count(step_id, "step_id", i64::MAX)?;
         let toks = sampled_tokens(sampled_token_ids)?;
-        let inner = &mut self.inner;
-        let fs = py.detach(|| inner.update(step, &toks))?;
+        let fs = self.inner.detached(py, |s| s.update(step, &toks))??;
         PyStepOutput::new(py, fs)
     }
 
-    fn stats(&self) -> PySchedulerStats {
-        self.inner.stats().into()
+    fn stats(&self, py: Python<'_>) -> PyResult<PySchedulerStats> {
+        Ok(self.inner.with(py, |s| s.stats())?.into())
     }
 
-    fn check_invariants(&self) -> PyResult<()> {
-        Ok(self.inner.check_invariants()?)
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        Ok(self.inner.detached(py, |s| s.check_invariants())??)
     }
 
-    fn has_unfinished(&self) -> bool {
-        self.inner.has_unfinished()
+    fn has_unfinished(&self, py: Python<'_>) -> PyResult<bool> {
+        self.inner.with(py, |s| s.has_unfinished())
     }
 
-    fn bench_step(&mut self, py: Python<'_>, token_id: i64) -> PyResult<(u64, usize)> {
-        let tok: u32 = conv(token_id, "token_id")?;
-        let inner = &mut self.inner;
-        let r = py.detach(|| -> Result<(u64, usize), KvError> {
-            let t0 = Instant::now();
-            let plan = inner.schedule()?;
-            let sampled = vec![tok; plan.num_sampled()];
-            let fs = inner.update(plan.step_id, &sampled)?;
-            Ok((t0.elapsed().as_nanos() as u64, fs.len()))
-        })?;
+    fn bench_step(&self, py: Python<'_>, token_id: &Bound<'_, PyAny>) -> PyResult<(u64, usize)> {
+        let tok: u32 = count(token_id, "token_id", i64::from(u32::MAX))?;
+        let r = self
+            .inner
+            .detached(py, |s| -> Result<(u64, usize), KvError> {
+                let t0 = Instant::now();
+                let plan = s.schedule()?;
+                let sampled = vec![tok; plan.num_sampled()];
+                let fs = s.update(plan.step_id, &sampled)?;
+                Ok((t0.elapsed().as_nanos() as u64, fs.len()))
+            })??;
         Ok(r)
     }
 
     #[getter]
     fn num_blocks(&self) -> u32 {
-        self.inner.config().num_blocks
+        self.cfg.num_blocks
     }
 
     #[getter]
     fn block_size(&self) -> u32 {
-        self.inner.config().block_size
+        self.cfg.block_size
     }
 
     #[getter]
     fn max_num_batched_tokens(&self) -> u32 {
-        self.inner.config().max_num_batched_tokens
+        self.cfg.max_num_batched_tokens
     }
 
     #[getter]
     fn max_num_seqs(&self) -> u32 {
-        self.inner.config().max_num_seqs
+        self.cfg.max_num_seqs
     }
 
     #[getter]
     fn max_model_len(&self) -> u32 {
-        self.inner.config().max_model_len
+        self.cfg.max_model_len
     }
 
     #[getter]
     fn prefix_mode(&self) -> &'static str {
-        self.inner.config().prefix_mode.name()
+        self.cfg.prefix_mode.name()
     }
 
     #[getter]
     fn policy(&self) -> &'static str {
-        match self.inner.config().policy {
+        match self.cfg.policy {
             Policy::Fcfs => "fcfs",
             Policy::Priority => "priority",
         }
@@ -292,16 +332,16 @@ impl PyScheduler {
 
     #[getter]
     fn eos_token_id(&self) -> Option<u32> {
-        self.inner.config().eos_token_id
+        self.cfg.eos_token_id
     }
 
     #[getter]
-    fn outstanding_step(&self) -> Option<u64> {
-        self.inner.outstanding_step()
+    fn outstanding_step(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        self.inner.with(py, |s| s.outstanding_step())
     }
 
     fn __repr__(&self) -> String {
-        let c = self.inner.config();
+        let c = &self.cfg;
         format!(
             "Scheduler(num_blocks={}, block_size={}, max_num_batched_tokens={}, max_num_seqs={}, \
              max_model_len={}, prefix_mode={:?}, policy={:?})",

@@ -138,11 +138,14 @@ type OutputTuple = (i64, i32, String, Vec<i64>);
 #[pymethods]
 impl PyStepOutput {
     /// `[(req_id, seq_index, finish_reason, token_ids)]`, one tuple per finished sample.
+    /// Reads the arrays, so entries the caller edited in place are checked, never trusted.
     fn outputs(&self, py: Python<'_>) -> PyResult<Vec<OutputTuple>> {
-        let ids = self.req_ids.bind(py).readonly();
-        let idx = self.seq_index.bind(py).readonly();
-        let off = self.token_offsets.bind(py).readonly();
-        let tok = self.token_ids.bind(py).readonly();
+        let bad = || KvError::InvalidArgument("the StepOutput arrays were modified".into());
+        let ro = |e: numpy::BorrowError| KvError::InvalidArgument(format!("StepOutput: {e}"));
+        let ids = self.req_ids.bind(py).try_readonly().map_err(ro)?;
+        let idx = self.seq_index.bind(py).try_readonly().map_err(ro)?;
+        let off = self.token_offsets.bind(py).try_readonly().map_err(ro)?;
+        let tok = self.token_ids.bind(py).try_readonly().map_err(ro)?;
         let (ids, idx, off, tok) = (
             ids.as_array(),
             idx.as_array(),
@@ -152,15 +155,22 @@ impl PyStepOutput {
         let reasons = self.finish_reasons.bind(py);
         (0..self.num_finished)
             .map(|i| {
-                let toks = (off[i] as usize..off[i + 1] as usize)
-                    .map(|t| tok[t])
-                    .collect();
-                Ok((
-                    ids[i],
-                    idx[i],
-                    reasons.get_item(i)?.extract::<String>()?,
-                    toks,
-                ))
+                let span = (off.get(i), off.get(i + 1));
+                let (Some(&a), Some(&b)) = span else {
+                    return Err(bad().into());
+                };
+                let (a, b) = (usize::try_from(a), usize::try_from(b));
+                let (Ok(a), Ok(b)) = (a, b) else {
+                    return Err(bad().into());
+                };
+                if a > b || b > tok.len() {
+                    return Err(bad().into());
+                }
+                let toks = (a..b).map(|t| tok[t]).collect();
+                let (Some(&id), Some(&ix)) = (ids.get(i), idx.get(i)) else {
+                    return Err(bad().into());
+                };
+                Ok((id, ix, reasons.get_item(i)?.extract::<String>()?, toks))
             })
             .collect()
     }
