@@ -81,7 +81,8 @@ class KvCacheManager:
     The manager remembers the tokens each request holds: its prompt (given to ``admit``) and
     every full block stated computed since. ``cache_computed`` and ``free`` must state the same
     tokens over that range (``InvalidArgumentError`` otherwise), so one request's KV is never
-    published under another's tokens; only a partial last block may still change.
+    published under another's tokens; only a partial last block may still change. (With
+    ``prefix_mode="off"`` nothing is published and tokens are not kept.)
 
     Thread safety: every method may be called from any thread. Calls are serialized by a lock
     and each is atomic; a call made while another thread's call runs waits for it (heavy calls
