@@ -188,6 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         except KvCoreError as e:
             print(f"kvcore: error: {e}", file=sys.stderr)
             return 2
+    if argv[:1] == ["serve"] or argv[:2] == ["bench", "serve"]:
+        # The server and its load generator own their parsers (kvcore/entrypoints/cli.py).
+        from kvcore.entrypoints import cli as entry_cli
+
+        try:
+            if argv[0] == "serve":
+                return int(entry_cli.serve_main(argv[1:]))
+            return int(entry_cli.bench_main(argv[2:]))
+        except KvCoreError as e:
+            print(f"kvcore: error: {e}", file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(prog="kvcore", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("plan", help="KV capacity per storage format for a config and memory budget")
