@@ -47,6 +47,7 @@ class _Add:
     params: SamplingParams
     priority: int
     cache_salt: str | None
+    stream: bool
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -89,14 +90,17 @@ class AsyncEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue one streaming request; returns its output stream once the engine accepted it.
+        """Queue one request; returns its output stream once the engine accepted it (with
+        ``stream=False`` the stream yields only the final output, decoded once at the end).
 
         Raises the engine's ``KvCoreError`` (bad input), or ``EngineError``.
         """
         if not self.running:
             raise EngineError("the engine is not running")
-        add = _Add(request_id, prompt, params, priority, cache_salt, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        add = _Add(request_id, prompt, params, priority, cache_salt, stream, loop)
         with self._pending_lock:
             self._pending += 1
         self._inbox.put(("add", add))
@@ -202,7 +206,7 @@ class AsyncEngine:
                     item.params,
                     request_id=item.request_id,
                     priority=item.priority,
-                    stream=True,
+                    stream=item.stream,
                     cache_salt=item.cache_salt,
                 )
             except (KvCoreError, EngineError) as e:

@@ -141,8 +141,17 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+_TYPE_NAMES = ("str", "int", "float", "bool", "list", "dict", "none")
+
+
 def _param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if not str(p).startswith(("function-", "union["))]
+    """``messages.0.content`` from pydantic's location, without union-member names."""
+    parts = []
+    for p in loc:
+        s = str(p)
+        if s in _TYPE_NAMES or "[" in s or s[:1].isupper() or s.startswith("function-"):
+            continue
+        parts.append(s)
     return ".".join(parts) or None
 
 

@@ -199,6 +199,7 @@ async def run(state: ServerState, job: Job) -> AsyncIterator[tuple[int, RequestO
                     params,
                     priority=job.req.priority,
                     cache_salt=job.req.cache_salt,
+                    stream=job.req.stream,
                 )
             )
     except BaseException as e:
