@@ -31,10 +31,10 @@ def make_model_dir(path: Path) -> Path:
     """A tiny random Llama with a byte-level BPE tokenizer (trained here, 400 tokens) and a chat
     template: the tiny model with text, so every endpoint can be tested in seconds."""
     import pydoc_data.topics
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     from kvcore.models import tiny_llama
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

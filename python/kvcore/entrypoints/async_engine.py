@@ -154,12 +154,12 @@ class AsyncEngine:
             self._drain(deliveries)
             if self._stop.is_set():
                 self._abort_all(deliveries, "the server is shutting down")
-                self._deliver(deliveries)
                 self._publish()
+                self._deliver(deliveries)
                 return
             if not self.engine.has_unfinished_requests():
-                self._deliver(deliveries)
                 self._publish()
+                self._deliver(deliveries)
                 self._wake.wait(self._idle_wait_s)
                 continue
             try:
@@ -167,8 +167,8 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - the loop must survive any engine failure
                 log.exception("engine step failed")
                 self._fail_all(deliveries, e)
-                self._deliver(deliveries)
                 self._publish()
+                self._deliver(deliveries)
                 continue
             for out in outputs:
                 add = self._streams.get(out.request_id)
@@ -179,8 +179,8 @@ class AsyncEngine:
                     del self._streams[out.request_id]
             if self.metrics is not None:
                 self.metrics.observe_step(self.engine, outputs)
+            self._publish()  # before delivering: a client that got its output sees the state
             self._deliver(deliveries)
-            self._publish()
 
     def _drain(self, deliveries: list[tuple[_Add, Any]]) -> None:
         engine = self.engine
