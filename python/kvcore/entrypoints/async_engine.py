@@ -24,7 +24,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +90,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         stream: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestStream:
         """Queue one request; returns its output stream once the engine accepted it (with
         ``stream=False`` the stream yields only the final output, decoded once at the end).
 
@@ -112,27 +111,7 @@ class AsyncEngine:
             raise
         if isinstance(first, BaseException):
             raise first
-        return self._stream(add)
-
-    async def _stream(self, add: _Add) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                item = await add.queue.get()
-                while not add.queue.empty():  # snapshots are cumulative: keep the newest
-                    nxt = add.queue.get_nowait()
-                    if isinstance(item, RequestOutput) and isinstance(nxt, RequestOutput):
-                        item = nxt
-                    else:
-                        item = nxt if isinstance(nxt, BaseException) else item
-                        break
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:  # the consumer went away (client disconnect, cancel, error)
-                self.abort(add.request_id)
+        return RequestStream(self, add)
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next step (no-op if it already finished)."""
@@ -268,6 +247,47 @@ class AsyncEngine:
         }
         if self.metrics is not None:
             self.metrics.observe_snapshot(self.snapshot)
+
+
+class RequestStream:
+    """Async iterator over one request's outputs. Snapshots are cumulative, so a consumer that
+    fell behind gets only the newest. ``close()`` (also on any error or cancellation while
+    waiting) aborts the request unless it finished: a request is never left running unread."""
+
+    def __init__(self, engine: AsyncEngine, add: _Add):
+        self._engine, self._add = engine, add
+        self._done = False  # finished, failed or closed
+        self.request_id = add.request_id
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        q = self._add.queue
+        try:
+            item = await q.get()
+        except BaseException:
+            self.close()
+            raise
+        while not isinstance(item, BaseException) and not q.empty():
+            item = q.get_nowait()  # an error or a newer snapshot replaces it
+        if isinstance(item, BaseException):
+            self._done = True  # the engine already let go of it
+            raise item
+        self._done = item.finished
+        return item
+
+    def close(self) -> None:
+        """Abort the request at the next step unless it already finished."""
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        """Same as ``close()`` (async-generator style)."""
+        self.close()
 
 
 def _put_all(batch: list[tuple[_Add, Any]]) -> None:

@@ -192,6 +192,16 @@ def summarize(
         fig["server_overhead_pct_of_e2e"] = 100.0 * (s / n) / float(np.mean(e2e))
     errors = sorted({r.error for r in results if not r.ok})
     fig["errors"] = errors[:3]
+    fig["records"] = [  # per request, to re-evaluate goodput at other SLOs (--save-json)
+        {
+            "ok": r.ok,
+            "ttft_ms": (r.events[0] - r.start) * 1e3 if r.ok else None,
+            "tpot_ms": (r.end - r.events[0]) / max(1, r.output_tokens - 1) * 1e3 if r.ok else None,
+            "e2e_ms": (r.end - r.start) * 1e3,
+            "output_tokens": r.output_tokens,
+        }
+        for r in results
+    ]
     return fig
 
 
@@ -201,6 +211,8 @@ _UNITS = {"_req_per_s": "req/s", "_tok_per_s": "tok/s", "_ms": "ms", "_s": "s", 
 def print_figures(fig: dict[str, Any]) -> None:
     """``name: value unit`` lines."""
     for name, value in fig.items():
+        if name == "records":
+            continue
         if name == "errors":
             for e in value:
                 print(f"# error: {e}")

@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from kvcore.entrypoints import responses, serving
@@ -79,6 +80,7 @@ async def _complete(state: ServerState, request: Request, job: serving.Job) -> R
             responses.sse(state, job, outputs),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            background=BackgroundTask(job.close),  # runs even if the client left early
         )
     work = asyncio.ensure_future(responses.collect(state, job, outputs))
     gone = asyncio.ensure_future(_until_disconnect(request))
@@ -90,7 +92,7 @@ async def _complete(state: ServerState, request: Request, job: serving.Job) -> R
             work.cancel()
             with contextlib.suppress(BaseException):
                 await work
-            await outputs.aclose()  # type: ignore[attr-defined]
+        job.close()
     if work.cancelled():
         return Response(status_code=499)
     return JSONResponse(work.result())

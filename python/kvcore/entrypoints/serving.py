@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.entrypoints.async_engine import AsyncEngine, EngineError
+from kvcore.entrypoints.async_engine import AsyncEngine, EngineError, RequestStream
 from kvcore.entrypoints.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -55,6 +55,12 @@ class Job:
     req: Any
     start: float = field(default_factory=time.perf_counter)
     finals: dict[int, RequestOutput] = field(default_factory=dict)  # prompt index -> last
+    streams: list[RequestStream] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Abort whatever of this job still runs (idempotent; a no-op once all finished)."""
+        for s in self.streams:
+            s.close()
 
 
 def _check_model(state: ServerState, model: str) -> None:
@@ -188,11 +194,10 @@ async def run(state: ServerState, job: Job) -> AsyncIterator[tuple[int, RequestO
     """Submit the job's prompts; returns an iterator of (prompt index, output) once all are
     accepted (so engine-side rejections still become an HTTP error before any byte is sent)."""
     _admit(state)
-    streams: list[AsyncIterator[RequestOutput]] = []
     try:
         for i, (prompt, params) in enumerate(zip(job.prompts, job.params, strict=True)):
             rid = job.id if len(job.prompts) == 1 else f"{job.id}-{i}"
-            streams.append(
+            job.streams.append(
                 await state.engine.submit(
                     rid,
                     prompt,
@@ -203,17 +208,16 @@ async def run(state: ServerState, job: Job) -> AsyncIterator[tuple[int, RequestO
                 )
             )
     except BaseException as e:
-        for s in streams:  # release the prompts already queued
-            await s.aclose()  # type: ignore[attr-defined]
+        job.close()  # release the prompts already queued
         if isinstance(e, KvCoreError):
             raise ApiError(400, str(e)) from None
         if isinstance(e, EngineError):
             raise ApiError(500, str(e), type="server_error") from None
         raise
-    return _merge(job, streams)
+    return _merge(job, job.streams)
 
 
-async def _merge(job: Job, streams: list[AsyncIterator[RequestOutput]]):
+async def _merge(job: Job, streams: list[RequestStream]):
     if len(streams) == 1:
         async for out in streams[0]:
             if out.finished:
@@ -222,7 +226,7 @@ async def _merge(job: Job, streams: list[AsyncIterator[RequestOutput]]):
         return
     merged: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, s: RequestStream) -> None:
         try:
             async for out in s:
                 await merged.put((i, out))
@@ -245,7 +249,8 @@ async def _merge(job: Job, streams: list[AsyncIterator[RequestOutput]]):
                 yield i, item
     finally:
         for t in tasks:
-            t.cancel()  # a pump cancelled inside its stream aborts that request
+            t.cancel()
+        job.close()
 
 
 def observe_overhead(state: ServerState, job: Job) -> None:
