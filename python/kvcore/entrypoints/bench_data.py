@@ -1,4 +1,4 @@
-"""Datasets and plots of ``kvcore bench serve``.
+"""Datasets, plots and re-evaluation of saved runs (``--from-json``) of ``kvcore bench serve``.
 
 Datasets (one request each, seeded):
 
@@ -124,3 +124,53 @@ def load_runs(paths: list[str]) -> dict[str, list[dict[str, Any]]]:
             data = json.load(f)
         runs.setdefault(data["label"], []).extend(data["results"])
     return runs
+
+
+def regoodput(result: dict[str, Any], slo_ttft_ms: float, slo_tpot_ms: float) -> float:
+    """Goodput of a saved result at another SLO, from its per-request records."""
+    good = sum(
+        1
+        for r in result["records"]
+        if r["ok"] and r["ttft_ms"] <= slo_ttft_ms and r["tpot_ms"] <= slo_tpot_ms
+    )
+    return good / result["duration_s"]
+
+
+def report(args: Any) -> int:
+    """``--from-json``: goodput and knee of saved runs at the given SLO, and the plot."""
+    runs = load_runs(args.from_json)
+    for label, results in runs.items():
+        for r in sorted(results, key=lambda r: r["request_rate"]):
+            if "records" in r:
+                r["goodput_req_per_s"] = regoodput(r, args.slo_ttft_ms, args.slo_itl_ms)
+            print(
+                f"{label} request_rate {r['request_rate']:.3g}: goodput_req_per_s: "
+                f"{r['goodput_req_per_s']:.3f} req/s, ttft_p95_ms: {r['ttft_p95_ms']:.0f} ms, "
+                f"output_tok_per_s: {r['output_tok_per_s']:.2f} tok/s"
+            )
+    if args.plot:
+        plot(runs, args.plot, f"(TTFT<={args.slo_ttft_ms:g} ms, TPOT<={args.slo_itl_ms:g} ms)")
+        print(f"# plot written to {args.plot}")
+    return 0
+
+
+_UNITS = {"_req_per_s": "req/s", "_tok_per_s": "tok/s", "_ms": "ms", "_s": "s", "_pct": "%"}
+
+
+def print_figures(fig: dict[str, Any]) -> None:
+    """``name: value unit`` lines."""
+    for name, value in fig.items():
+        if name == "records":
+            continue
+        if name == "errors":
+            for e in value:
+                print(f"# error: {e}")
+            continue
+        unit = next((u for suf, u in _UNITS.items() if name.endswith(suf)), "")
+        unit = {"request_rate": "req/s", "request_throughput": "req/s"}.get(name, unit)
+        unit = "USD/Mtok" if name.startswith("cost_") else unit
+        unit = "%" if name.endswith("_pct_of_e2e") else unit
+        if name.startswith("requests_"):
+            unit = "req"
+        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+        print(f"{name}: {shown} {unit}".rstrip(), flush=True)

@@ -34,6 +34,8 @@ from kvcore.entrypoints.bench_data import (
     load_runs,
     make_dataset,
     plot,
+    print_figures,
+    report,
 )
 
 
@@ -205,32 +207,10 @@ def summarize(
     return fig
 
 
-_UNITS = {"_req_per_s": "req/s", "_tok_per_s": "tok/s", "_ms": "ms", "_s": "s", "_pct": "%"}
-
-
-def print_figures(fig: dict[str, Any]) -> None:
-    """``name: value unit`` lines."""
-    for name, value in fig.items():
-        if name == "records":
-            continue
-        if name == "errors":
-            for e in value:
-                print(f"# error: {e}")
-            continue
-        unit = next((u for suf, u in _UNITS.items() if name.endswith(suf)), "")
-        unit = {"request_rate": "req/s", "request_throughput": "req/s"}.get(name, unit)
-        unit = "USD/Mtok" if name.startswith("cost_") else unit
-        unit = "%" if name.endswith("_pct_of_e2e") else unit
-        if name.startswith("requests_"):
-            unit = "req"
-        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
-        print(f"{name}: {shown} {unit}".rstrip(), flush=True)
-
-
 def parser() -> argparse.ArgumentParser:
     """Flags of ``kvcore bench serve``."""
     p = argparse.ArgumentParser(prog="kvcore bench serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--dataset", default="random", choices=DATASETS)
     p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")])
@@ -250,6 +230,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default=None, help="name of this server in plots (default: model)")
     p.add_argument("--save-json", default=None, help="write the figures to this file")
     p.add_argument("--compare-json", nargs="*", default=[], help="earlier --save-json files")
+    p.add_argument(
+        "--from-json",
+        nargs="+",
+        default=None,
+        help="send nothing: re-evaluate saved runs at this --slo-* (goodput, knee) and --plot",
+    )
     p.add_argument("--plot", default=None, help="draw latency/goodput vs rate to FILE.png")
     return p
 
@@ -293,6 +279,10 @@ async def _main(args: Any) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     """Entry of ``kvcore bench serve``; 0 when every request of every rate completed."""
     args = parser().parse_args(argv)
+    if args.from_json:
+        return report(args)
+    if not args.base_url:
+        parser().error("--base-url is required (or --from-json)")
     args.base_url = args.base_url.rstrip("/")
     try:
         results = asyncio.run(_main(args))
