@@ -291,6 +291,7 @@ def test_256_concurrent_streams_complete_or_503(server):
     done = [r for _, status, r in results if status == 200]
     refused = [i for i, status, _ in results if status == 503]
     assert len(done) + len(refused) == 256 and len(done) >= 32
+    assert refused  # 256 at once against 32 running + 64 waiting: some are turned away
     assert len({rid for rid, _ in done}) == len(done)  # none duplicated
     assert all(len(ids) == 6 for _, ids in done)
     health = _wait_idle(server)
@@ -327,6 +328,25 @@ def test_disconnecting_clients_leave_nothing_running(server):
     assert health["num_running"] == 0 and health["all_blocks_free"]
     m = _metrics(server)
     assert m["kvcore:request_success_total|finished_reason=abort"] >= 9
+
+
+def test_bench_serve_prints_its_figures(server, capsys, tmp_path):
+    from kvcore.entrypoints.bench_serve import main
+
+    plot = tmp_path / "curves.png"
+    argv = ["--base-url", server.url, "--api-key", KEY, "--dataset", "random", "--num-prompts",
+            "8", "--request-rate", "50", "inf", "--max-tokens", "4", "--input-len", "16",
+            "--vocab-size", "400", "--cost-per-hour", "1", "--plot", str(plot)]  # fmt: skip
+    assert main(argv) == 0
+    lines = dict(
+        line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line
+    )
+    for name in ("requests_completed", "requests_failed", "output_tok_per_s", "ttft_p50_ms",
+                 "ttft_p95_ms", "itl_p50_ms", "goodput_req_per_s", "server_overhead_pct_of_e2e",
+                 "cost_per_m_useful_tok_usd"):  # fmt: skip
+        assert name in lines, name
+    assert lines["requests_completed"] == "8 req" and lines["requests_failed"] == "0 req"
+    assert plot.stat().st_size > 1000
 
 
 def test_sigterm_finishes_in_flight_request_and_exits_zero(server):
