@@ -100,15 +100,19 @@ def plot(runs: dict[str, list[dict[str, Any]]], path: str, slo: str = "") -> Non
         axes[2].plot(
             x, [r["goodput_req_per_s"] for r in rs], "o-", label=label, color=line.get_color()
         )
-    if runs:
-        top = max((r["request_rate"] for rs in runs.values() for r in rs), default=1.0)
-        top = top if top != float("inf") else 1.0
-        axes[2].plot([0, top], [0, top], ":", color="grey", label="offered")
+    finite = sorted(
+        {r["request_rate"] for rs in runs.values() for r in rs if r["request_rate"] != float("inf")}
+    )
+    if finite:
+        axes[2].plot(finite, finite, ":", color="grey", label="offered")
     axes[0].set(title="TTFT (p95 solid, p50 dashed)", xlabel="request rate (req/s)", ylabel="ms")
     axes[0].set_yscale("log")
     axes[1].set(title="inter-token latency p50", xlabel="request rate (req/s)", ylabel="ms")
-    axes[2].set(title=f"goodput {slo}".strip(), xlabel="request rate (req/s)", ylabel="req/s")
+    axes[2].set(xlabel="request rate (req/s)", ylabel="req/s")
+    axes[2].set_title(f"goodput {slo}".strip(), fontsize=9)
     for ax in axes:
+        if len(finite) > 2:
+            ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -136,7 +136,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Job:
     elif p and all(isinstance(x, str) for x in p):
         prompts = [_encode(state, x) for x in p]  # type: ignore[arg-type]
     else:
-        prompts = [list(x) for x in p]  # type: ignore[union-attr]
+        prompts = [list(x) for x in p]  # type: ignore[arg-type,union-attr]
     if not prompts or any(not x for x in prompts):
         raise ApiError(400, "The prompt must not be empty.", param="prompt")
     explicit = "max_tokens" in req.model_fields_set  # null: up to the context length
