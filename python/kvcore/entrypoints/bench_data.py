@@ -140,20 +140,53 @@ def regoodput(result: dict[str, Any], slo_ttft_ms: float, slo_tpot_ms: float) ->
     return good / result["duration_s"]
 
 
+_REPORTED = (
+    "goodput_req_per_s",
+    "ttft_p50_ms",
+    "ttft_p95_ms",
+    "itl_p50_ms",
+    "tpot_p50_ms",
+    "e2e_p50_ms",
+    "output_tok_per_s",
+    "server_overhead_pct_of_e2e",
+)
+
+
 def report(args: Any) -> int:
-    """``--from-json``: goodput and knee of saved runs at the given SLO, and the plot."""
-    runs = load_runs(args.from_json)
-    for label, results in runs.items():
-        for r in sorted(results, key=lambda r: r["request_rate"]):
+    """``--from-json``: the saved runs at the given SLO, merged per server and rate (mean, min,
+    max over runs, e.g. seeds), each server's knee, and the plot of the means. Goodput is
+    re-evaluated from per-request records; a run saved without them is left out of it."""
+    merged: dict[str, list[dict[str, Any]]] = {}
+    for label, results in load_runs(args.from_json).items():
+        by_rate: dict[float, list[dict[str, Any]]] = {}
+        for r in results:
             if "records" in r:
                 r["goodput_req_per_s"] = regoodput(r, args.slo_ttft_ms, args.slo_itl_ms)
-            print(
-                f"{label} request_rate {r['request_rate']:.3g}: goodput_req_per_s: "
-                f"{r['goodput_req_per_s']:.3f} req/s, ttft_p95_ms: {r['ttft_p95_ms']:.0f} ms, "
-                f"output_tok_per_s: {r['output_tok_per_s']:.2f} tok/s"
-            )
+            else:
+                r.pop("goodput_req_per_s", None)  # measured at another SLO
+            by_rate.setdefault(r["request_rate"], []).append(r)
+        rows = []
+        for rate in sorted(by_rate):
+            row: dict[str, Any] = {"request_rate": rate}
+            for key in _REPORTED:
+                vals = [r[key] for r in by_rate[rate] if key in r]
+                if not vals:
+                    continue
+                row[key] = sum(vals) / len(vals)
+                unit = key.rsplit("_", 1)[-1].replace("s", "req/s") if "goodput" in key else ""
+                print(
+                    f"{label} rate {rate:g} {key}: {row[key]:.3f} (min {min(vals):.3f}, "
+                    f"max {max(vals):.3f}, runs {len(vals)}) {unit}".rstrip()
+                )
+            rows.append(row)
+        merged[label] = rows
+        k = knee([r for r in rows if "goodput_req_per_s" in r])
+        print(f"{label} knee_request_rate: {k if k is not None else float('nan'):g} req/s")
     if args.plot:
-        plot(runs, args.plot, f"(TTFT<={args.slo_ttft_ms:g} ms, TPOT<={args.slo_itl_ms:g} ms)")
+        for rows in merged.values():
+            for r in rows:
+                r.setdefault("goodput_req_per_s", float("nan"))
+        plot(merged, args.plot, f"(TTFT<={args.slo_ttft_ms:g} ms, TPOT<={args.slo_itl_ms:g} ms)")
         print(f"# plot written to {args.plot}")
     return 0
 
