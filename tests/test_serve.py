@@ -181,7 +181,7 @@ def test_bad_input_is_an_openai_error_and_server_keeps_serving(server, client, b
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if param is not None:
         assert err["param"] == param
-    if "too long" in str(body)[:0] or body == {"model": "tiny", "prompt": [5] * MAX_MODEL_LEN}:
+    if status == 400 and isinstance(body, dict) and len(body.get("prompt", "")) >= 200:
         assert err["code"] == "context_length_exceeded"
     ok = client.completions.create(model="tiny", prompt="ok", max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
