@@ -219,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("plan", help="KV capacity per storage format for a config and memory budget")
     sub.add_parser("eval-kv", help="quality gate of the quantized KV formats on SmolLM2")
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (kvcore serve --help)")
+    sub.add_parser("bench", help="serving benchmark: kvcore bench serve --base-url URL ...")
     run = sub.add_parser(
         "run",
         help="serve the built-in chat workload and print a report (the default command)",
@@ -287,6 +289,17 @@ def _main(argv: list[str]) -> int:
         sub_main = quant_cli.plan_main if argv[0] == "plan" else quant_cli.eval_kv_main
         with ca.report_errors(f"kvcore {argv[0]}") as status:
             status[0] = int(sub_main(argv[1:]))
+        return status[0]
+    if argv[:1] == ["serve"] or argv[:2] == ["bench", "serve"]:
+        # The server and its load generator own their parsers (kvcore/entrypoints/cli.py).
+        from kvcore.entrypoints import cli as entry_cli
+
+        name = "serve" if argv[0] == "serve" else "bench serve"
+        with ca.report_errors(f"kvcore {name}") as status:
+            if argv[0] == "serve":
+                status[0] = int(entry_cli.serve_main(argv[1:]))
+            else:
+                status[0] = int(entry_cli.bench_main(argv[2:]))
         return status[0]
     args = build_parser().parse_args(argv)
     with ca.report_errors(f"kvcore {args.command}") as status:

@@ -1,0 +1,61 @@
+"""``kvcore serve`` and ``kvcore bench serve``: argument parsing (dispatched from kvcore.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """Flags of ``kvcore serve``: every engine flag of ``kvcore run`` plus the server's."""
+    from kvcore.cli import _engine_args
+
+    p = argparse.ArgumentParser(
+        prog="kvcore serve", description="OpenAI-compatible HTTP server over the kvcore engine."
+    )
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVCORE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $KVCORE_API_KEY)",
+    )
+    p.add_argument("--served-model-name", default=None, help="model id clients send (--model)")
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="answer 503 + Retry-After beyond this many waiting requests (0: no limit)",
+    )
+    p.add_argument("--max-n", type=int, default=128, help="largest n (capped by --max-num-seqs)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body cap (413)")
+    p.add_argument("--metrics-prefix", default="kvcore", help="kvcore | vllm (metric names)")
+    p.add_argument("--shutdown-grace-s", type=float, default=10.0)
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def serve_main(argv: list[str]) -> int:
+    """Entry of ``kvcore serve``."""
+    from kvcore.cli import _make_llm
+    from kvcore.entrypoints.server import make_state, run_server
+
+    args = serve_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    llm = _make_llm(args)
+    state = make_state(llm, args)
+    print(
+        f"kvcore serve: {state.model_name} on http://{args.host}:{args.port} "
+        f"(max_model_len {state.max_model_len}, {state.engine.snapshot['num_blocks']} KV blocks)",
+        flush=True,
+    )
+    return run_server(state, args.host, args.port, args.shutdown_grace_s, args.log_level)
+
+
+def bench_main(argv: list[str]) -> int:
+    """Entry of ``kvcore bench serve``."""
+    from kvcore.entrypoints.bench_serve import main
+
+    return main(argv)
