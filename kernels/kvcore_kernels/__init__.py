@@ -14,6 +14,7 @@ Triton ones import triton on first access, so this package imports without it).
 from kvcore_kernels.attention import paged_attention
 from kvcore_kernels.attention_torch import paged_attention_torch
 from kvcore_kernels.cache import NULL_BLOCK, allocate_kv_cache
+from kvcore_kernels.device import normalize_device
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata, plan_attention
 from kvcore_kernels.store import store_kv, store_kv_torch
@@ -47,4 +48,5 @@ __all__ = [
     "store_kv",
     "store_kv_torch",
     "store_kv_triton",
+    "normalize_device",
 ]
