@@ -149,8 +149,12 @@ class CudaGraphs:
         for batch in reversed(self.sizes):
             self.buffers.fill(_EmptyPlan(), batch)
             meta = self.buffers.metadata(batch, max_seq_len=max_seq_len)
-            for _ in range(2):
-                run(batch, meta)
+            side = torch.cuda.Stream()  # warm up off the default stream, as capture runs
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    run(batch, meta)
+            torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
