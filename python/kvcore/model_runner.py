@@ -130,7 +130,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self._buffers: DecodeBuffers | None = None
         self.graphs: CudaGraphs | None = None
-        triton = kvcore_kernels.cache.check_backend(backend, self.device) == "triton"
+        triton = cuda and kvcore_kernels.cache.check_backend(backend, self.device) == "triton"
         if cuda_graphs and not (cuda and triton):
             raise InvalidArgumentError("cuda_graphs=True needs a CUDA device and Triton kernels")
         want_graphs = cuda and triton if cuda_graphs is None else bool(cuda_graphs)
