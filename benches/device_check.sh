@@ -73,7 +73,7 @@ tests_rc=${PIPESTATUS[0]}
 t1=$SECONDS
 
 BENCH=(--device cuda --dtype bfloat16 --peers --no-b1 --profile-table)
-if [[ $DRY == 1 ]]; then BENCH=(--device cpu --requests 4 --eager --decode-step); fi
+if [[ $DRY == 1 ]]; then BENCH=(--device cpu --requests 4 --eager); fi
 bench_rc=skipped
 if [[ $HAVE_KVCORE == 1 ]]; then
     timeout 200 $PY benches/bench_e2e.py "${BENCH[@]}" 2>&1 | tee "$LOGS/device_bench_bf16.log"
