@@ -35,9 +35,11 @@ done
 
 if [[ -n "${KVCORE_WHEEL:-}" ]]; then
     $PY - "$KVCORE_WHEEL" <<'PY'
-import sys, zipfile
+import glob, sys, zipfile
 from pathlib import Path
-wheels = sorted(Path().glob(sys.argv[1])) if "*" in sys.argv[1] else [Path(sys.argv[1])]
+wheels = [Path(w) for w in sorted(glob.glob(sys.argv[1]))]
+if not wheels:
+    sys.exit(f"KVCORE_WHEEL={sys.argv[1]} matches no file")
 with zipfile.ZipFile(wheels[-1]) as z:
     name = next(n for n in z.namelist() if n.startswith("kvcore/_kvcore") and n.endswith(".so"))
     Path("python/kvcore/_kvcore.abi3.so").write_bytes(z.read(name))
