@@ -11,7 +11,9 @@ request's own ``position_ids``, and passes the step's metadata as the forward ke
 down to the attention function, so there is no module global to set and reset.
 
 Per layer the function writes the step's new K/V into the paged cache (``store_kv``, slots from
-``slot_mapping``) and attends over each request's blocks (``paged_attention``):
+``slot_mapping``) and attends over each request's blocks (``paged_attention``); on the op path
+(compiled forward, CUDA graphs) both happen inside the custom op ``kvcore::paged_attention``
+(``kvcore.attention_op``), which takes tensors only:
 
     query/key/value from the model: [1, heads, num_tokens, head_dim]
     kernels take and return:        [num_tokens, heads, head_dim]
