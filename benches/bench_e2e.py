@@ -6,11 +6,20 @@ in 16-256, greedy, EOS ignored. Model: ``tiny`` (Llama, hidden 512, 8 layers, 8 
 intermediate 1408, vocab 32000, fp32, seeded random weights) or ``smollm2``.
 
     python benches/bench_e2e.py --variant random --threads 1 --seed 0 [--model tiny] [--peers]
+    python benches/bench_e2e.py --compile --peers          # the compiled forward (CPU)
+    python benches/bench_e2e.py --device cuda --dtype bfloat16 --peers   # GPU (graphs + compile)
 
 Prints ``name: value unit`` lines: kvcore_tok_per_s, ttft/itl percentiles, engine_overhead_pct
-(wall time outside the model's forward), prefix hit rate, and with ``--peers`` transformers'
-generate (batch 1, static batches of 8 left-padded) and continuous batching (default and
-max_requests_per_batch=8), ratio_vs_best_peer and ttft_p50_ratio_vs_static8.
+(wall time outside the model's forward; on CUDA the forward is GPU time between events),
+prefix hit rate, compile_graphs / compile_s (``--compile``), cuda_graphs / capture_s /
+graph_memory_mib (CUDA), and with ``--peers`` transformers' generate (batch 1, static batches
+of 8 left-padded; on CUDA also one static batch of 64), continuous batching (default and
+max_requests_per_batch=8), ratio_vs_best_peer and ttft_p50_ratio_vs_static8. Every peer is
+warmed up before its timed run. On CUDA (or with ``--decode-step``): decode_step_ms_b64 (median
+wall time of a decode step at 64 running requests) and gpu_busy_pct_b64 (kernel time / wall
+time of one such step under torch.profiler); ``--profile-table`` prints the profiler's table.
+``--compile`` / ``--eager`` force the forward's mode (default: the runner's, by device);
+``--eager`` is ``enforce_eager=True`` (no compile, no CUDA graphs).
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ from kvcore.outputs import SamplingParams  # noqa: E402
 from kvcore.report import percentiles, summarize  # noqa: E402
 from kvcore.workload import bench_workload  # noqa: E402
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def refuse_debug_build() -> None:
     """Benchmarks only run on a release build of the extension."""
@@ -44,6 +55,7 @@ def refuse_debug_build() -> None:
 
 def run_kvcore(model, wl, args) -> tuple[object, object]:
     num_tokens = sum(len(p) + m for p, m in zip(wl.prompts, wl.max_tokens, strict=True))
+    start = time.perf_counter()
     llm = LLM(
         model,
         num_blocks=num_tokens // 16 + len(wl.prompts) + 64,
@@ -52,11 +64,29 @@ def run_kvcore(model, wl, args) -> tuple[object, object]:
         prefix_caching="radix",
         kv_format=args.kv_format,
         seed=args.seed,
+        device=args.device,
+        enforce_eager=args.mode == "eager",
+        compile=True if args.mode == "compile" else None,
     )
     engine = llm.engine
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
-    # Warm-up (allocator, first-call paths) on unrelated tokens, not timed.
-    llm.generate([[5] * 40, [6] * 70], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    # Warm-up (allocator, first-call paths, the compiled shapes: several requests and one
+    # request, prefill and decode) on unrelated tokens, not timed.
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    llm.generate([[5] * 40, [6] * 70], greedy, use_tqdm=False)
+    llm.generate([[7] * 20], greedy, use_tqdm=False)
+    runner = engine.runner
+    print(f"kvcore_startup_s: {time.perf_counter() - start:.1f} s")
+    print(f"kvcore_compiled: {runner.compiled is not None}")
+    if runner.compiled is not None:
+        print(f"compile_graphs_warmup: {runner.compile_stats.graphs} graphs")
+        print(f"compile_s: {runner.compile_stats.compile_seconds:.1f} s")
+    if runner.graphs is not None:
+        g = runner.graphs
+        print(f"cuda_graphs: {len(g.sizes)} sizes ({g.sizes[0]}..{g.sizes[-1]})")
+        print(f"capture_s: {g.capture_seconds:.1f} s")
+        print(f"graph_memory_mib: {g.memory_bytes / 2**20:.1f} MiB")
+    graphs0 = runner.compile_stats.graphs
     engine.stats.reset()
     forward0 = engine.runner.forward_seconds
     start = time.perf_counter()
@@ -66,7 +96,53 @@ def run_kvcore(model, wl, args) -> tuple[object, object]:
     forward = engine.runner.forward_seconds - forward0
     summary.engine["engine_overhead_pct"] = 100.0 * (wall - forward) / wall
     summary.engine["all_blocks_free"] = engine.all_blocks_free()
-    return summary, outputs
+    if runner.compiled is not None:
+        summary.engine["recompiles_timed"] = runner.compile_stats.graphs - graphs0
+    return summary, llm, outputs
+
+
+def decode_step(llm, vocab_size: int, args, running: int = 64) -> None:
+    """Time decode steps at ``running`` requests (median of 20) and profile one of them."""
+    engine = llm.engine
+    rng = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(3, vocab_size, (running, 256), generator=rng).tolist()
+    ids = engine.add_requests(
+        prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    )
+    for _ in range(running * 256 // args.budget + 4):  # every prompt prefilled, a few decodes
+        engine.step()
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    print(f"decode_step_ms_b{running}: {times[len(times) // 2] * 1e3:.2f} ms")
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = args.device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    if cuda:  # kernels, copies and sets on the device (one stream: they do not overlap)
+        busy_us = sum(_self_device_us(a) for a in averages)
+        print(f"gpu_busy_pct_b{running}: {100.0 * busy_us / 1e6 / wall:.1f} %")
+        print(f"profiled_step_ms_b{running}: {wall * 1e3:.2f} ms")
+        launches = sum(a.count for a in averages if _self_device_us(a) > 0)
+        print(f"device_ops_per_step_b{running}: {launches} ops")
+    if args.profile_table:
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        print(averages.table(sort_by=key, row_limit=25))
+    engine.abort_request(ids)
+
+
+def _self_device_us(avg) -> float:
+    """Self device time of a profiler average (the attribute's name moved across torch)."""
+    value = getattr(avg, "self_device_time_total", None)
+    return float(value if value is not None else avg.self_cuda_time_total)
 
 
 def main() -> None:
@@ -80,28 +156,48 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="kvcore token budget per step")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--kv-format", default="auto", help="kvcore's KV storage format")
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    ap.add_argument("--device", default=default_device, help="cpu or cuda (model and kvcore)")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--compile", dest="mode", action="store_const", const="compile")
+    mode.add_argument("--eager", dest="mode", action="store_const", const="eager")
+    ap.add_argument("--decode-step", action="store_true", help="time a decode step at 64 (CPU)")
+    ap.add_argument("--profile-table", action="store_true", help="print the profiler table")
     args = ap.parse_args()
     refuse_debug_build()
     torch.set_num_threads(args.threads)
-    model = tiny_llama(seed=args.seed) if args.model == "tiny" else load_model("smollm2-135m")[0]
+    dtype = DTYPES[args.dtype]
+    if args.model == "tiny":
+        model = tiny_llama(seed=args.seed, dtype=dtype)
+    else:
+        model = load_model("smollm2-135m", dtype=dtype)[0]
+    model = model.to(args.device)
     wl = bench_workload(args.variant, model.config.vocab_size, args.seed, args.requests)
     print(f"kvcore_version: {kvcore.__version__}")
     print(
         f"workload: {args.variant} model={args.model} threads={args.threads} seed={args.seed} "
-        f"kv_format={args.kv_format}"
+        f"kv_format={args.kv_format} device={args.device} dtype={args.dtype} "
+        f"mode={args.mode or 'default'}"
     )
     print(f"omp_wait_policy: {os.environ.get('OMP_WAIT_POLICY')}")
     print(f"output_tokens_requested: {sum(wl.max_tokens)} tok")
-    summary, outputs = run_kvcore(model, wl, args)
+    summary, llm, outputs = run_kvcore(model, wl, args)
     for line in summary.lines("kvcore"):
         print(line)
+    if args.device.startswith("cuda") or args.decode_step:
+        decode_step(llm, model.config.vocab_size, args)
+    del llm
     if not args.peers:
         return
     kv_outputs = [o.outputs[0].token_ids for o in outputs]
-    peers = [] if args.no_b1 else [hf_generate(model, wl.prompts, wl.max_tokens, batch_size=1)]
-    static8 = hf_generate(model, wl.prompts, wl.max_tokens, batch_size=8)
+    sizes = ([] if args.no_b1 else [1]) + [8] + ([64] if args.device.startswith("cuda") else [])
+    peers = []
+    for bs in sizes:
+        hf_generate(model, wl.prompts[:bs], [2] * bs, batch_size=bs)  # warm-up, not timed
+        peers.append(hf_generate(model, wl.prompts, wl.max_tokens, batch_size=bs))
+    static8 = peers[sizes.index(8)]
     peers += [
-        static8,
         hf_continuous(model, wl.prompts, wl.max_tokens, None),
         hf_continuous(model, wl.prompts, wl.max_tokens, 8),
     ]

@@ -18,6 +18,7 @@ kv_lora_rank + rope_dim]``): ``store_latent`` writes it, ``mla_attention`` atten
 from kvcore_kernels.attention import paged_attention
 from kvcore_kernels.attention_torch import paged_attention_torch
 from kvcore_kernels.cache import NULL_BLOCK, allocate_kv_cache
+from kvcore_kernels.device import normalize_device
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.mla import mla_attention, store_latent
 from kvcore_kernels.mla_cache import (
@@ -69,4 +70,5 @@ __all__ = [
     "store_latent",
     "store_latent_torch",
     "store_latent_triton",
+    "normalize_device",
 ]

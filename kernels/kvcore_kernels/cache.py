@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcore_kernels.device import normalize_device
 from kvcore_kernels.errors import KernelConfigError
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -42,7 +43,7 @@ def allocate_kv_cache(
     if dtype not in SUPPORTED_DTYPES:
         raise KernelConfigError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
     shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=normalize_device(device))
 
 
 def check_kv_cache(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:

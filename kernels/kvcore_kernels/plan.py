@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvcore_kernels.device import normalize_device
 from kvcore_kernels.errors import KernelConfigError
 
 
@@ -79,7 +80,8 @@ def plan_attention(
     [num_reqs] tokens of each request including this step's; ``block_table``: [num_reqs,
     max_blocks] block ids (padding: 0, the null block). Tensors or NumPy arrays; host arrays are
     cheapest (device tensors cost one copy to the host). ``device``: where the kernels run
-    (default: the device of ``query_start_loc`` if it is a tensor, else the CPU).
+    (default: the device of ``query_start_loc`` if it is a tensor, else the CPU), normalised
+    (``"cuda"`` -> the current ``cuda:N``, as ``kvcore_kernels.device.normalize_device``).
     Raises ``KernelConfigError`` on inconsistent input.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -122,7 +124,7 @@ def plan_attention(
 
     if device is None:
         device = query_start_loc.device if isinstance(query_start_loc, torch.Tensor) else "cpu"
-    device = torch.device(device)
+    device = normalize_device(device)  # "cuda" -> "cuda:N": compared with tensors' devices
 
     def to_device(arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(arr.astype(np.int32)).to(device, non_blocking=True)

@@ -11,7 +11,9 @@ request's own ``position_ids``, and passes the step's metadata as the forward ke
 down to the attention function, so there is no module global to set and reset.
 
 Per layer the function writes the step's new K/V into the paged cache (``store_kv``, slots from
-``slot_mapping``) and attends over each request's blocks (``paged_attention``):
+``slot_mapping``) and attends over each request's blocks (``paged_attention``); on the op path
+(compiled forward, CUDA graphs) both happen inside the custom op ``kvcore::paged_attention``
+(``kvcore.attention_op``), which takes tensors only:
 
     query/key/value from the model: [1, heads, num_tokens, head_dim]
     kernels take and return:        [num_tokens, heads, head_dim]
@@ -26,6 +28,7 @@ from typing import Any
 import kvcore_kernels
 import torch
 
+from kvcore.attention_op import paged_attention as paged_attention_op
 from kvcore.errors import InvalidArgumentError
 
 BACKEND_NAME = "kvcore"
@@ -34,13 +37,22 @@ CTX_KWARG = "kvcore_ctx"
 
 @dataclass(slots=True)
 class AttentionContext:
-    """One step's attention metadata, shared by every layer (built once by the ModelRunner)."""
+    """One step's attention metadata, shared by every layer (built once by the ModelRunner).
+
+    With ``use_op`` (plain caches; what ``torch.compile`` and CUDA graphs need) the layers call
+    the custom op ``torch.ops.kvcore.paged_attention`` with the step's tensors only
+    (``kvcore.attention_op``); otherwise they call the kernels with ``meta`` directly.
+    """
 
     # per layer [num_blocks, 2, block_size, num_kv_heads, head_dim], or a QuantKVCache
     kv_caches: list[Any]
     slot_mapping: torch.Tensor  # int64 [num_tokens]; slot = block_id * block_size + offset
-    meta: Any  # kvcore_kernels.plan_attention(...) for this step
+    meta: Any  # kvcore_kernels.plan_attention(...) for this step (eager path)
     backend: str = "auto"  # kernel backend: auto | triton | torch
+    use_op: bool = False
+    query_start_loc: torch.Tensor | None = None  # int32 [num_reqs + 1] (op path)
+    seq_lens: torch.Tensor | None = None  # int32 [num_reqs], carries the plan (op path)
+    block_table: torch.Tensor | None = None  # int32 [num_reqs, width] (op path)
 
 
 def kvcore_attention(
@@ -71,11 +83,27 @@ def kvcore_attention(
     k = key[0].transpose(0, 1)  # [num_tokens, num_kv_heads, head_dim]
     v = value[0].transpose(0, 1)
     cache = ctx.kv_caches[layer_idx]
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    if ctx.use_op:  # one opaque node per layer for torch.compile; tensors only
+        out = paged_attention_op(
+            q,
+            k,
+            v,
+            cache,
+            ctx.slot_mapping,
+            ctx.query_start_loc,
+            ctx.seq_lens,
+            ctx.block_table,
+            scale=scaling,
+            sliding_window=sliding_window,
+            soft_cap=softcap,
+            backend=ctx.backend,
+        )
+        return out.unsqueeze(0), None
     # A QuantKVCache is quantized on write (the kernels dispatch on the cache type); KIVI's
     # residual plan reads the step's metadata.
     kvcore_kernels.store_kv(k, v, cache, ctx.slot_mapping, backend=ctx.backend, meta=ctx.meta)
-    if scaling is None:
-        scaling = q.shape[-1] ** -0.5
     out = kvcore_kernels.paged_attention(
         q,
         cache,

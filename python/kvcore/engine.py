@@ -73,6 +73,8 @@ class LLMEngine(StepLoop):
         max_model_len: int | None = None,
         seed: int = 0,
         kernel_backend: str = "auto",
+        enforce_eager: bool = False,
+        compile: bool | None = None,
     ):
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -125,6 +127,10 @@ class LLMEngine(StepLoop):
                 num_residual_blocks=min(residual_slots, num_blocks),
                 kivi_window=cc.kivi_window,
                 backend=kernel_backend,
+                enforce_eager=enforce_eager,
+                compile=compile,
+                max_num_seqs=sc.max_num_seqs,
+                max_model_len=self.max_model_len,
             )
         except KernelConfigError as e:  # e.g. int4 on a head dim that is not a multiple of 32
             raise InvalidArgumentError(f"kv_format {cc.kv_format!r}: {e}") from None

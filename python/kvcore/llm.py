@@ -70,6 +70,8 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         kernel_backend: str = "auto",
+        enforce_eager: bool = False,
+        compile: bool | None = None,
     ):
         cache_config = cache_config or CacheConfig(
             block_size=block_size,
@@ -97,6 +99,8 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             kernel_backend=kernel_backend,
+            enforce_eager=enforce_eager,
+            compile=compile,
         )
 
     def get_tokenizer(self) -> Any:

@@ -15,6 +15,14 @@ Per step:
 MLA models (DeepSeek-V2/V3): per layer one latent cache ``[num_blocks, block_size, kv_lora_rank +
 qk_rope_head_dim]`` and kvcore's own attention modules (``kvcore.mla``).
 
+Fast paths (plain caches; ``enforce_eager=True`` turns both off): the forward is compiled with
+``torch.compile`` around the custom op ``kvcore::paged_attention`` (``kvcore.compile``), and on
+CUDA decode-only steps replay a captured CUDA graph padded to the next ladder size
+(``kvcore.cuda_graphs``); mixed and prefill steps run the compiled forward. On CUDA the plan's
+token arrays go to the device in one asynchronous copy from pinned memory, the forward is timed
+with CUDA events, and the only sync of a step is the sampler reading the sampled tokens.
+Quantized caches are Python objects with host-side state, so they keep the eager path.
+
 Cache layout (kvcore_kernels): per layer ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
 in the model dtype, or, for a quantized ``kv_format``, a ``kvcore_kernels.quant.QuantKVCache``
 (one uint8 row per block holding codes and scales; KIVI layers add a model-dtype residual pool
@@ -24,81 +32,40 @@ same; copy-on-write goes through ``quant.copy_blocks`` so scales and residual sl
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from typing import Any
 
 import kvcore_kernels
 import numpy as np
 import torch
-from kvcore_kernels.quant import QuantKVCache, allocate_kv_caches, block_layout, copy_blocks
+from kvcore_kernels.quant import QuantKVCache, allocate_kv_caches, copy_blocks
 from kvcore_kernels.quant import get_format as get_kv_format
 
 from kvcore.attention import BACKEND_NAME, CTX_KWARG, AttentionContext, use_kvcore_attention
+from kvcore.attention_op import attach_plan
+from kvcore.compile import CompileStats, compile_model, compiled_graph_count, mark_step_dynamic
+from kvcore.cuda_graphs import CudaGraphs, DecodeBuffers, graph_sizes
 from kvcore.errors import InvalidArgumentError
+from kvcore.kv_sizes import (  # noqa: F401  (re-exported: engine, tests)
+    kivi_residual_bytes,
+    kivi_residual_slots,
+    kv_bytes_per_block,
+    kv_geometry,
+)
 from kvcore.mla import (
     allocate_latent_caches,
     check_mla_config,
     check_runner_args,
     install_mla,
     is_mla_config,
-    latent_bytes_per_block,
 )
 
-
-def kv_geometry(config: Any) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a transformers decoder config."""
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return config.num_hidden_layers, num_kv_heads, head_dim
-
-
-def kv_bytes_per_block(
-    config: Any, block_size: int, dtype: torch.dtype, formats: list[str] | None = None
-) -> int:
-    """Bytes one block of KV takes over all layers (K and V): ``dtype`` for model-dtype layers,
-    the format's block row (codes and scales) for quantized ones; an MLA model's latent rows."""
-    if is_mla_config(config):  # c_kv + k_pe per token and layer (kvcore.mla)
-        check_mla_config(config, formats)
-        return latent_bytes_per_block(config, block_size, dtype, formats)
-    num_layers, num_kv_heads, head_dim = kv_geometry(config)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    plain = 2 * block_size * num_kv_heads * head_dim * itemsize
-    total = 0
-    for name in formats or ["auto"] * num_layers:
-        fmt = get_kv_format(name)
-        quantized = fmt.quantized
-        total += (
-            block_layout(fmt, block_size, num_kv_heads, head_dim).block_bytes
-            if quantized
-            else plain
-        )
-    return total
-
-
-def kivi_residual_slots(
-    max_num_seqs: int, max_num_batched_tokens: int, block_size: int, window: int = 0
-) -> int:
-    """KIVI residual slots the engine allocates: every block one step can write gets one,
-    plus each running sequence's ``window`` recent full blocks.
-
-    A step writes at most ``max_num_batched_tokens`` tokens for at most ``max_num_seqs``
-    sequences; each sequence's span touches at most ``ceil(q / bs) + 1`` blocks, so the step
-    writes at most ``2 * max_num_seqs + ceil(T / bs)`` blocks (and never more than T).
-    Between steps a slot holds a running sequence's partial last block (KIVI's residual).
-    """
-    per_step = 2 * max_num_seqs + -(-max_num_batched_tokens // block_size)
-    return min(max_num_batched_tokens, per_step) + max_num_seqs * window
-
-
-def kivi_residual_bytes(
-    config: Any, block_size: int, dtype: torch.dtype, formats: list[str], slots: int
-) -> int:
-    """Bytes of KIVI's model-dtype residual pool: ``slots`` blocks in every KIVI layer."""
-    _, num_kv_heads, head_dim = kv_geometry(config)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    kivi_layers = sum(get_kv_format(name).kind == "kivi" for name in formats)
-    return kivi_layers * slots * 2 * block_size * num_kv_heads * head_dim * itemsize
+logger = logging.getLogger("kvcore")
+# Whether the forward is compiled when the caller does not say (bench_e2e --compile/--eager, on
+# the CPU: docs/gpu.md); CUDA graphs are on by default wherever they can run.
+COMPILE_BY_DEFAULT = {"cuda": True, "cpu": False}
 
 
 class ModelRunner:
@@ -116,9 +83,17 @@ class ModelRunner:
         num_residual_blocks: int | None = None,
         kivi_window: int = 0,
         backend: str = "auto",
+        enforce_eager: bool = False,
+        compile: bool | None = None,
+        cuda_graphs: bool | None = None,
+        cuda_graph_sizes: list[int] | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        compile_backend: str = "inductor",
     ):
         self.model = model
-        self.device = next(model.parameters()).device
+        # "cuda" and "cuda:0" are one device: compare normalised forms only.
+        self.device = kvcore_kernels.normalize_device(next(model.parameters()).device)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = backend
@@ -159,14 +134,84 @@ class ModelRunner:
                 for _ in range(num_layers)
             ]
         use_kvcore_attention(model)
-        self.forward_seconds = 0.0  # cumulative time inside the model's forward
-        self.num_forwards = 0
+        self.forward_calls = 0
+        self._forward_seconds = 0.0  # cumulative time inside the model's forward
+        self._pending: list[tuple[Any, Any]] = []  # CUDA events not yet read
+        self._pinned: torch.Tensor | None = None
+        cuda = self.device.type == "cuda"
+        if compile is None:
+            compile = COMPILE_BY_DEFAULT.get(self.device.type, False)
+        # Quantized caches and MLA latents (their own attention modules) run eagerly.
+        fast = not enforce_eager and not self.quantized and not self.mla
+        self.compile = bool(compile) and fast
+        self.use_op = self.compile or (cuda and fast)
+        self.compiled = compile_model(model, compile_backend) if self.compile else None
+        self.compile_stats = CompileStats()
+        self.max_model_len = max_model_len or num_blocks * block_size
+        self.max_num_seqs = max_num_seqs
+        self._buffers: DecodeBuffers | None = None
+        self.graphs: CudaGraphs | None = None
+        triton = cuda and kvcore_kernels.cache.check_backend(backend, self.device) == "triton"
+        if cuda_graphs and not (cuda and triton):
+            raise InvalidArgumentError("cuda_graphs=True needs a CUDA device and Triton kernels")
+        want_graphs = cuda and triton if cuda_graphs is None else bool(cuda_graphs)
+        if want_graphs and fast:
+            self.graphs = CudaGraphs(
+                self.decode_buffers, graph_sizes(max_num_seqs, cuda_graph_sizes)
+            )
+            self.graphs.capture(self._decode_forward, self.max_model_len)
+            logger.info(
+                "kvcore: captured %d CUDA graphs (batch %d..%d) in %.1f s, %.1f MiB",
+                len(self.graphs.sizes),
+                self.graphs.sizes[0],
+                self.graphs.sizes[-1],
+                self.graphs.capture_seconds,
+                self.graphs.memory_bytes / 2**20,
+            )
+
+    @property
+    def decode_buffers(self) -> DecodeBuffers:
+        """Static buffers of padded decode steps (made on first use)."""
+        if self._buffers is None:
+            width = math.ceil(self.max_model_len / self.block_size)
+            self._buffers = DecodeBuffers(self.max_num_seqs, width, self.block_size, self.device)
+        return self._buffers
+
+    @property
+    def forward_seconds(self) -> float:
+        """Seconds inside the model's forward so far (GPU time between CUDA events on CUDA)."""
+        for start, end in self._pending:
+            end.synchronize()
+            self._forward_seconds += start.elapsed_time(end) / 1e3
+        self._pending.clear()
+        return self._forward_seconds
+
+    @property
+    def num_forwards(self) -> int:
+        return self.forward_calls
 
     def _tensor(self, array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(array))
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+
+    def _int64_tensors(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """int64 device tensors of ``arrays``: on CUDA staged in one pinned buffer and sent in
+        one asynchronous copy (the buffer is rewritten only after the step's sync)."""
+        if self.device.type != "cuda":
+            return [self._tensor(a, torch.int64) for a in arrays]
+        sizes = [len(a) for a in arrays]
+        total = sum(sizes)
+        if self._pinned is None or self._pinned.numel() < total:
+            self._pinned = torch.empty(max(total, 4096), dtype=torch.int64, pin_memory=True)
+        host = self._pinned.numpy()
+        offset = 0
+        for a, n in zip(arrays, sizes, strict=True):
+            host[offset : offset + n] = a
+            offset += n
+        dev = self._pinned[:total].to(self.device, non_blocking=True)
+        return list(dev.split(sizes))
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -189,6 +234,63 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        keep: torch.Tensor,
+        meta: Any,
+    ) -> torch.Tensor:
+        """One forward (compiled when on); logits [len(keep), vocab]."""
+        ctx = AttentionContext(self.kv_caches, slot_mapping, meta, self.backend, self.use_op)
+        if self.use_op:
+            ctx.query_start_loc, ctx.seq_lens = meta.query_start_loc, meta.seq_lens
+            ctx.block_table = meta.block_table
+            attach_plan(meta.seq_lens, meta)
+        if self.model.config._attn_implementation != BACKEND_NAME:
+            use_kvcore_attention(self.model)  # someone switched it (e.g. a transformers peer run)
+        forward = self.model
+        if self.compiled is not None:
+            forward = self.compiled
+            mark_step_dynamic(
+                (input_ids, (1,)),
+                (positions, (1,)),
+                (slot_mapping, (0,)),
+                (keep, (0,)),
+                (ctx.query_start_loc, (0,)),
+                (ctx.seq_lens, (0,)),
+                (ctx.block_table, (0, 1)),
+            )
+        graphs_before = compiled_graph_count()
+        start = time.perf_counter()
+        out = forward(
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=keep,
+            **{CTX_KWARG: ctx},
+        )
+        new_graphs = compiled_graph_count() - graphs_before
+        if new_graphs:
+            self.compile_stats.graphs += new_graphs
+            self.compile_stats.compile_seconds += time.perf_counter() - start
+        return out.logits[0]
+
+    def _decode_forward(self, batch: int, meta: Any) -> torch.Tensor:
+        """The forward over the decode buffers' first ``batch`` rows (what a graph captures)."""
+        input_ids, positions, slot_mapping, rows = self.decode_buffers.inputs(batch)
+        return self._forward(input_ids, positions, slot_mapping, rows, meta)
+
+    @torch.inference_mode()
+    def execute_padded(self, plan: Any, logits_indices: np.ndarray, batch: int) -> torch.Tensor:
+        """A decode-only ``plan`` run as a graph would run it, without one: padded to ``batch``
+        rows in the static buffers (CPU or CUDA; tests check the padding rows touch nothing)."""
+        self.apply_copy_ops(np.asarray(plan.copy_ops))
+        self.decode_buffers.fill(plan, batch)
+        logits = self._decode_forward(batch, self.decode_buffers.metadata(batch))
+        return logits.index_select(0, self._tensor(logits_indices, torch.int64))
+
     @torch.inference_mode()
     def execute(self, plan: Any, logits_indices: np.ndarray) -> torch.Tensor:
         """Run ``plan``'s forward; returns logits [len(logits_indices), vocab] (float)."""
@@ -196,32 +298,33 @@ class ModelRunner:
         num_tokens = len(plan.input_ids)
         if num_tokens == 0:
             raise InvalidArgumentError("a step plan with no tokens has nothing to run")
-        input_ids = self._tensor(plan.input_ids, torch.int64)
-        positions = self._tensor(plan.positions, torch.int64)
-        slot_mapping = self._tensor(plan.slot_mapping, torch.int64)
-        # Host arrays: the plan checks and lays them out on the host, then copies once each.
-        meta = kvcore_kernels.plan_attention(
-            plan.query_start_loc,
-            plan.seq_lens,
-            plan.block_table,
-            self.block_size,
-            device=self.device,
-        )
-        ctx = AttentionContext(self.kv_caches, slot_mapping, meta, self.backend)
-        if self.model.config._attn_implementation != BACKEND_NAME:
-            use_kvcore_attention(self.model)  # someone switched it (e.g. a transformers peer run)
-        keep = self._tensor(logits_indices, torch.int64)
+        cuda = self.device.type == "cuda"
         start = time.perf_counter()
-        out = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=keep,
-            **{CTX_KWARG: ctx},
-        )
-        logits = out.logits[0]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.forward_seconds += time.perf_counter() - start
-        self.num_forwards += 1
+        if cuda:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        logits = self.graphs.replay(plan) if self.graphs is not None else None
+        if logits is not None:  # rows [0, n): pick the sampled ones
+            n = logits.shape[0]
+            if not (len(logits_indices) == n and np.array_equal(logits_indices, np.arange(n))):
+                logits = logits.index_select(0, self._tensor(logits_indices, torch.int64))
+        else:
+            input_ids, positions, slot_mapping, keep = self._int64_tensors(
+                plan.input_ids, plan.positions, plan.slot_mapping, logits_indices
+            )
+            # Host arrays: the plan checks and lays them out on the host, then copies once each.
+            meta = kvcore_kernels.plan_attention(
+                plan.query_start_loc,
+                plan.seq_lens,
+                plan.block_table,
+                self.block_size,
+                device=self.device,
+            )
+            logits = self._forward(input_ids[None], positions[None], slot_mapping, keep, meta)
+        if cuda:  # read after the sampler's sync: no sync here
+            events[1].record()
+            self._pending.append(events)
+        else:
+            self._forward_seconds += time.perf_counter() - start
+        self.forward_calls += 1
         return logits

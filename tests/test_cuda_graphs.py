@@ -1,0 +1,169 @@
+"""The CUDA-graph ladder's bookkeeping on the CPU: sizes, buckets, padding rows that touch
+nothing, and a padded decode step that gives the unpadded logits (issue 15)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from kvcore import InvalidArgumentError
+from kvcore.cuda_graphs import DecodeBuffers, graph_sizes
+from kvcore.model_runner import ModelRunner
+from kvcore.models import tiny_llama
+from test_engine import SMALL
+from test_engine_runner import _plan
+
+
+def test_ladder_sizes():
+    assert graph_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_sizes(3) == [1, 2, 3]
+    assert graph_sizes(64, [8, 1, 8, 64]) == [1, 8, 64]
+    for bad in ([0, 4], [65], []):
+        with pytest.raises(InvalidArgumentError):
+            graph_sizes(64, bad)
+
+
+def test_bucket_is_the_smallest_size_that_fits():
+    buf = DecodeBuffers(64, 4, 16, torch.device("cpu"))
+    sizes = graph_sizes(64)
+    assert [buf.bucket(n, sizes) for n in (1, 3, 4, 5, 17, 64, 65)] == [1, 4, 4, 8, 24, 64, None]
+
+
+def _decode(n, width, seed=0):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, width * 4 + 1, n)
+    table = np.zeros((n, width), np.int32)
+    for r in range(n):
+        table[r, : -(-lens[r] // 4)] = rng.integers(1, 50, -(-lens[r] // 4))
+    pos = lens - 1
+    return SimpleNamespace(
+        input_ids=rng.integers(0, 100, n),
+        positions=pos,
+        slot_mapping=table[np.arange(n), pos // 4] * 4 + pos % 4,
+        seq_lens=lens.astype(np.int32),
+        block_table=table,
+    )
+
+
+def test_fill_pads_rows_into_the_null_block():
+    buf = DecodeBuffers(8, 6, 4, torch.device("cpu"))
+    plan = _decode(3, 5)
+    buf.fill(plan, 8)
+    ids, pos, slots, rows = buf.inputs(8)
+    assert ids[0, :3].tolist() == plan.input_ids.tolist() and ids[0, 3:].eq(0).all()
+    assert slots[:3].tolist() == plan.slot_mapping.tolist()
+    assert slots[3:].lt(4).all()  # slot 0: the null block, which store_kv skips
+    assert pos[0, 3:].eq(0).all() and rows.tolist() == list(range(8))
+    meta = buf.metadata(8)
+    assert meta.seq_lens.tolist() == plan.seq_lens.tolist() + [1] * 5
+    assert meta.block_table[:3, :5].tolist() == plan.block_table.tolist()
+    assert meta.block_table[:3, 5:].eq(0).all() and meta.block_table[3:].eq(0).all()
+    assert meta.query_start_loc.tolist() == list(range(9)) and meta.num_tokens == 8
+    # A smaller step afterwards leaves no stale rows behind.
+    small = _decode(1, 2, seed=1)
+    buf.fill(small, 2)
+    meta = buf.metadata(2)
+    assert meta.seq_lens.tolist() == [int(small.seq_lens[0]), 1]
+    assert meta.block_table[0, 2:].eq(0).all() and meta.block_table[1].eq(0).all()
+
+
+def test_fill_refuses_what_does_not_fit():
+    buf = DecodeBuffers(4, 3, 4, torch.device("cpu"))
+    for plan, batch in ((_decode(5, 3), 8), (_decode(2, 4), 2), (_decode(3, 3), 2)):
+        with pytest.raises(InvalidArgumentError):
+            buf.fill(plan, batch)
+    mixed = _decode(2, 3)
+    mixed.input_ids = np.zeros(3, np.int64)  # a prefill token: not a decode-only step
+    assert not buf.fits(mixed)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_padded_decode_equals_unpadded_and_touches_no_block(compile):
+    """Runner.execute_padded runs a decode step as a graph would (static buffers, padded to the
+    bucket, through the custom op; compiled with aot_eager here): the real rows' logits equal the
+    plain step's, and the padding rows write nothing: the cache differs from the unpadded
+    step's nowhere but float noise in the real rows' own slots."""
+    torch.manual_seed(0)
+    model = tiny_llama(seed=0, **SMALL)
+    runner = ModelRunner(
+        model,
+        num_blocks=16,
+        block_size=4,
+        compile=compile,
+        compile_backend="aot_eager",
+        max_num_seqs=8,
+        max_model_len=32,
+    )
+    tables = [[3, 7], [1, 9, 2], [5]]
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (5, 9, 3)]
+    prefill = _plan(prompts, tables, 4, [0, 0, 0])
+    runner.execute(prefill, prefill.query_start_loc[1:] - 1)
+    decode = _plan([[11], [12], [13]], tables, 4, [5, 9, 3])
+    decode.seq_lens = decode.seq_lens.astype(np.int64)
+    before = [c.clone() for c in runner.kv_caches]
+    want = runner.execute(decode, np.arange(3))
+    after_plain = [c.clone() for c in runner.kv_caches]
+    for c, b in zip(runner.kv_caches, before, strict=True):
+        c.copy_(b)
+    got = runner.execute_padded(decode, np.arange(3), batch=8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    written = torch.zeros(16 * 4, dtype=torch.bool)
+    written[torch.as_tensor(decode.slot_mapping)] = True
+    written = written.view(16, 1, 4, 1, 1).expand_as(before[0])
+    for c, b, p in zip(runner.kv_caches, before, after_plain, strict=True):
+        assert torch.equal(c[~written], b[~written])  # every other slot, null block included
+        torch.testing.assert_close(c[written], p[written], rtol=1e-5, atol=1e-5)
+        assert not torch.equal(c[written], b[written])  # the real rows did write
+
+
+# ---- on a GPU (skipped without CUDA): the same checks through real captured graphs ----------
+
+GPU = dict(SMALL, hidden_size=128)  # head_dim 32: a size the Triton kernels take
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graph_greedy_equals_eager(compile):
+    from kvcore.llm import LLM
+    from kvcore.outputs import SamplingParams
+
+    model = tiny_llama(seed=3, **GPU).to("cuda")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, GPU["vocab_size"], n).tolist() for n in (3, 17, 9, 30, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 3, 9, 5, 7)]
+    kw = dict(block_size=16, num_blocks=64, max_num_seqs=8, seed=0, device="cuda")
+    want = LLM(model, enforce_eager=True, **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model, compile=compile, **kw)
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8]
+    assert runner.graphs.capture_seconds > 0
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.all_blocks_free()
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_equals_plain_step_and_touches_no_block():
+    model = tiny_llama(seed=0, **GPU).to("cuda")
+    runner = ModelRunner(
+        model, num_blocks=16, block_size=4, compile=False, max_num_seqs=8, max_model_len=32
+    )
+    assert runner.graphs is not None
+    tables = [[3, 7], [1, 9, 2], [5]]
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (5, 9, 3)]
+    prefill = _plan(prompts, tables, 4, [0, 0, 0])
+    runner.execute(prefill, prefill.query_start_loc[1:] - 1)
+    decode = _plan([[11], [12], [13]], tables, 4, [5, 9, 3])
+    before = [c.clone() for c in runner.kv_caches]
+    got = runner.execute(decode, np.arange(3))  # replays the batch-4 graph
+    torch.cuda.synchronize()
+    after_graph = [c.clone() for c in runner.kv_caches]
+    for c, b in zip(runner.kv_caches, before, strict=True):
+        c.copy_(b)
+    runner.graphs, graphs = None, runner.graphs
+    want = runner.execute(decode, np.arange(3))  # the same step without a graph
+    runner.graphs = graphs
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for g, p in zip(after_graph, runner.kv_caches, strict=True):
+        torch.testing.assert_close(g, p, rtol=1e-5, atol=1e-5)  # null block included
