@@ -31,6 +31,7 @@ from kvcore_kernels.schedule import (
     SUPPORTED_HEAD_DIMS,
     work_tiles,
 )
+from kvcore_kernels.softmax_triton import online_softmax, tile_scores
 from kvcore_kernels.splits_triton import choose_num_splits, merge_splits_kernel
 from kvcore_kernels.triton_util import check_triton_device, compute_dtype, is_interpreted
 
@@ -67,8 +68,8 @@ def _tile_step(
     """One ``BLOCK_N``-key tile of the online softmax: returns the updated (acc, m_i, l_i)."""
     keys = first_key + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
     dims = tl.arange(0, HEAD_DIM)
+    key_ok = keys < k_end
     if MASKED:
-        key_ok = keys < k_end
         block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
     else:
         block = tl.load(table_row + keys // BLOCK_SIZE).to(tl.int64)
@@ -81,19 +82,11 @@ def _tile_step(
         k = tl.load(kv_ptrs).to(COMPUTE_DTYPE)
         v = tl.load(kv_ptrs + stride_cache_kv).to(COMPUTE_DTYPE)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-    if USE_SOFTCAP:
-        s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
-    if USE_ALIBI:
-        s += slope[:, None] * (keys[None, :] - q_pos[:, None]).to(tl.float32)
-    if MASKED:
-        ok = (keys[None, :] <= q_pos[:, None]) & (q_pos[:, None] - keys[None, :] < sliding_window)
-        s = tl.where(ok & key_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key seen yet
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+    s = tile_scores(
+        s, keys, key_ok, q_pos, slope, soft_cap, sliding_window, MASKED, USE_SOFTCAP, USE_ALIBI
+    )
+    p, m_new, l_i, acc = online_softmax(s, m_i, l_i, acc)
+    acc = acc + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 

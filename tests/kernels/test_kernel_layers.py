@@ -18,7 +18,7 @@ LAYERS = {
     "cache": 1, "plan": 1, "checks": 1, "mla_cache": 1, "quant.formats": 1, "quant.codecs": 1,
     "quant.residual": 1, "quant.cache": 1, "quant.checks": 1,
     "schedule": 2, "splits_triton": 2, "chunks_torch": 2, "quant.load_triton": 2,
-    "quant.encode_triton": 2, "quant.read_torch": 2,
+    "quant.encode_triton": 2, "quant.read_torch": 2, "softmax_triton": 2,
     "attention_torch": 3, "attention_triton": 3, "store_torch": 3, "store_triton": 3,
     "mla_torch": 3, "mla_triton": 3, "quant.attention_torch": 3, "quant.attention_triton": 3,
     "quant.store_torch": 3, "quant.store_triton": 3, "quant.kivi_triton": 3,

@@ -35,6 +35,7 @@ from kvcore_kernels.schedule import (
     SUPPORTED_HEAD_DIMS,
     work_tiles,
 )
+from kvcore_kernels.softmax_triton import online_softmax, tile_scores
 from kvcore_kernels.splits_triton import choose_num_splits, merge_splits_kernel
 from kvcore_kernels.triton_util import check_triton_device, compute_dtype
 
@@ -122,6 +123,7 @@ def _paged_attention_quant_kernel(
         mask=row_ok[:, None],
         other=0.0,
     ).to(COMPUTE_DTYPE)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
         slope = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
     # fp8: the per-head scales fold into the scores (K) and the output (V), one multiply each.
@@ -189,18 +191,12 @@ def _paged_attention_quant_kernel(
             s = s * (k_scale * token_meta(seg, pos, key_ok, 0, BLOCK_SIZE, META0_OFF))[None, :]
         else:
             s = s * k_scale
-        if USE_SOFTCAP:
-            s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)
-        if USE_ALIBI:
-            s += slope[:, None] * (keys[None, :] - q_pos[:, None]).to(tl.float32)
-        ok = (keys[None, :] <= q_pos[:, None]) & (q_pos[:, None] - keys[None, :] < sliding_window)
-        s = tl.where(ok & key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        # Every tile is masked: tiles start on a block boundary (below k_start with a window);
+        # the plain kernel's unmasked path for full tiles is not written (nor measured) here.
+        s = tile_scores(
+            s, keys, key_ok, q_pos, slope, soft_cap, sliding_window, True, USE_SOFTCAP, USE_ALIBI
+        )
+        p, m_new, l_i, acc = online_softmax(s, m_i, l_i, acc)
         # ---- values
         vb = load_codes(seg, pos, key_ok, 1, BLOCK_SIZE, HEAD_DIM, BITS, DATA_OFF)
         if KIND <= 1:  # fp8: the head's value scale multiplies the output at the end
