@@ -1,10 +1,10 @@
 """Triton MLA kernels: the latent store and absorbed-form attention over the paged latent cache.
 
-Backend layer: imports ``mla_cache`` (layout, checks, absorb/unabsorb), ``plan``, ``schedule``
-and ``triton_util``; never the dispatcher. Attention grid ``(num_tiles, num_head_tiles)``: a tile is
-up to ``BLOCK_Q`` consecutive query tokens of one request times ``BLOCK_H`` heads; every head
-shares the one latent "KV head", so each latent tile is loaded once for all the tile's rows
-(MQA packing, as in the plain kernel). Row ``m`` of a tile::
+Backend layer: imports ``mla_cache`` (layout, checks, absorb/unabsorb), ``plan``, ``schedule``,
+``softmax_triton`` and ``triton_util``; never the dispatcher. Attention grid ``(num_tiles,
+num_head_tiles)``: a tile is up to ``BLOCK_Q`` consecutive query tokens of one request times
+``BLOCK_H`` heads; every head shares the one latent "KV head", so each latent tile is loaded
+once for all the tile's rows (MQA packing, as in the plain kernel). Row ``m`` of a tile::
 
     token q_first + m // BLOCK_H,   head head_tile * BLOCK_H + m % BLOCK_H
 
@@ -30,6 +30,7 @@ from kvcore_kernels.mla_cache import (
 )
 from kvcore_kernels.plan import AttentionMetadata
 from kvcore_kernels.schedule import LOG2E, work_tiles
+from kvcore_kernels.softmax_triton import online_softmax
 from kvcore_kernels.triton_util import check_triton_device, compute_dtype
 
 MIN_ROWS = 16  # tl.dot wants at least 16 rows
@@ -137,14 +138,9 @@ def _mla_decode_kernel(
         s += tl.dot(q_r, tl.trans(kr), input_precision=DOT_PRECISION)
         s = s * qk_scale  # [BLOCK_M, BLOCK_N]
         ok = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), c, input_precision=DOT_PRECISION)
-        m_i = m_new
+        s = tl.where(ok, s, float("-inf"))  # causal only: no window, soft-cap or ALiBi here
+        p, m_i, l_i, acc = online_softmax(s, m_i, l_i, acc)
+        acc = acc + tl.dot(p.to(COMPUTE_DTYPE), c, input_precision=DOT_PRECISION)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + tok[:, None] * stride_out_tok + head[:, None] * stride_out_head + dc[None, :],

@@ -1,12 +1,13 @@
-"""The online-softmax step every paged-attention Triton kernel shares (plain and quantized).
+"""The online-softmax step the paged-attention Triton kernels share (plain, quantized, latent).
 
 Per ``BLOCK_N``-key tile a kernel loads its K tile (the part each cache layout does its own
 way), computes ``s = q . k`` times its scale, and then calls ``tile_scores`` (soft-cap, ALiBi,
 causal / window / bounds mask) and ``online_softmax`` (running max and sum in log2 units,
 rescaled accumulator, the tile's probabilities). The K load and the V side stay with the
 layout: the quantized kernel folds per-token scales into the probabilities (int8, KIVI) and
-the fp8 value scale into the output, so its V step is not one shared ``acc += p @ v``.
-Both functions are inlined: the plain kernel's code is the one it had before, op for op.
+the fp8 value scale into the output, so its V step is not one shared ``acc += p @ v``. The
+latent (MLA) kernel calls only ``online_softmax``: its mask is causal only.
+Both functions are inlined, so each kernel runs the ops it ran before, in the same order.
 """
 
 from __future__ import annotations
