@@ -28,7 +28,8 @@ from kvcore_kernels.mla_cache import (
 )
 from kvcore_kernels.mla_torch import mla_attention_torch, store_latent_torch
 from kvcore_kernels.plan import AttentionMetadata, plan_attention
-from kvcore_kernels.store import store_kv, store_kv_torch
+from kvcore_kernels.store import store_kv
+from kvcore_kernels.store_torch import store_kv_torch
 
 __version__ = "0.1.0"
 

@@ -17,22 +17,25 @@ flash-decoding idea of Dao et al.).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kvcore_kernels.attention import check_attention_args
+from kvcore_kernels.checks import check_attention_args
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
+from kvcore_kernels.schedule import (
+    LOG2E,
+    MAX_QUERIES_PER_KV,
+    NO_WINDOW,
+    SUPPORTED_HEAD_DIMS,
+    work_tiles,
+)
+from kvcore_kernels.softmax_triton import online_softmax, tile_scores
 from kvcore_kernels.splits_triton import choose_num_splits, merge_splits_kernel
 from kvcore_kernels.triton_util import check_triton_device, compute_dtype, is_interpreted
 
-LOG2E = 1.4426950408889634
-NO_WINDOW = 1 << 30  # sliding_window=None: every key is within the window
 NO_WINDOW_C = tl.constexpr(NO_WINDOW)
-SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
-MAX_QUERIES_PER_KV = 16
 
 
 @triton.jit
@@ -65,8 +68,8 @@ def _tile_step(
     """One ``BLOCK_N``-key tile of the online softmax: returns the updated (acc, m_i, l_i)."""
     keys = first_key + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
     dims = tl.arange(0, HEAD_DIM)
+    key_ok = keys < k_end
     if MASKED:
-        key_ok = keys < k_end
         block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
     else:
         block = tl.load(table_row + keys // BLOCK_SIZE).to(tl.int64)
@@ -79,19 +82,11 @@ def _tile_step(
         k = tl.load(kv_ptrs).to(COMPUTE_DTYPE)
         v = tl.load(kv_ptrs + stride_cache_kv).to(COMPUTE_DTYPE)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-    if USE_SOFTCAP:
-        s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
-    if USE_ALIBI:
-        s += slope[:, None] * (keys[None, :] - q_pos[:, None]).to(tl.float32)
-    if MASKED:
-        ok = (keys[None, :] <= q_pos[:, None]) & (q_pos[:, None] - keys[None, :] < sliding_window)
-        s = tl.where(ok & key_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key seen yet
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+    s = tile_scores(
+        s, keys, key_ok, q_pos, slope, soft_cap, sliding_window, MASKED, USE_SOFTCAP, USE_ALIBI
+    )
+    p, m_new, l_i, acc = online_softmax(s, m_i, l_i, acc)
+    acc = acc + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -234,22 +229,6 @@ _paged_attention_prefill = triton.autotune(
 )(_paged_attention_kernel)
 
 
-def _tiles(meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Work list: (request, first query) of every tile, longest key range first (on device)."""
-    key = ("triton_tiles", block_q)
-    if key not in meta.cache:
-        q_lens = meta.host_q_lens
-        per_req = (q_lens + block_q - 1) // block_q
-        req = np.repeat(np.arange(meta.num_reqs), per_req)
-        first = (np.arange(len(req)) - np.repeat(np.cumsum(per_req) - per_req, per_req)) * block_q
-        k_end = meta.host_seq_lens[req] - q_lens[req] + np.minimum(first + block_q, q_lens[req])
-        order = np.argsort(-k_end, kind="stable")
-        meta.cache[key] = tuple(
-            torch.from_numpy(a[order].astype(np.int32)).to(meta.device) for a in (req, first)
-        )
-    return meta.cache[key]
-
-
 def _block_shape(decode_only: bool, group: int, row_bytes: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): query rows and keys per tile, smaller for wide rows (fp32, 256).
 
@@ -297,7 +276,7 @@ def paged_attention_triton(
         return out
     block_m, block_n = _block_shape(meta.max_q_len == 1, group, d * query.element_size())
     block_q = block_m // group
-    tile_req, tile_start = _tiles(meta, block_q)
+    tile_req, tile_start = work_tiles(meta, block_q)
     num_tiles = tile_req.shape[0]
     keys = (
         meta.max_seq_len

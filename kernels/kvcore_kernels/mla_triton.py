@@ -1,10 +1,10 @@
 """Triton MLA kernels: the latent store and absorbed-form attention over the paged latent cache.
 
-Backend layer: imports ``mla_cache`` (layout, checks, absorb/unabsorb), ``plan`` and
-``triton_util``; never the dispatcher. Attention grid ``(num_tiles, num_head_tiles)``: a tile is
-up to ``BLOCK_Q`` consecutive query tokens of one request times ``BLOCK_H`` heads; every head
-shares the one latent "KV head", so each latent tile is loaded once for all the tile's rows
-(MQA packing, as in the plain kernel). Row ``m`` of a tile::
+Backend layer: imports ``mla_cache`` (layout, checks, absorb/unabsorb), ``plan``, ``schedule``,
+``softmax_triton`` and ``triton_util``; never the dispatcher. Attention grid ``(num_tiles,
+num_head_tiles)``: a tile is up to ``BLOCK_Q`` consecutive query tokens of one request times
+``BLOCK_H`` heads; every head shares the one latent "KV head", so each latent tile is loaded
+once for all the tile's rows (MQA packing, as in the plain kernel). Row ``m`` of a tile::
 
     token q_first + m // BLOCK_H,   head head_tile * BLOCK_H + m % BLOCK_H
 
@@ -17,7 +17,6 @@ Not yet here: split-KV for long decodes at tiny batch (the plain kernel's flash-
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -30,9 +29,10 @@ from kvcore_kernels.mla_cache import (
     unabsorb_output,
 )
 from kvcore_kernels.plan import AttentionMetadata
+from kvcore_kernels.schedule import LOG2E, work_tiles
+from kvcore_kernels.softmax_triton import online_softmax
 from kvcore_kernels.triton_util import check_triton_device, compute_dtype
 
-LOG2E = 1.4426950408889634
 MIN_ROWS = 16  # tl.dot wants at least 16 rows
 
 
@@ -138,14 +138,9 @@ def _mla_decode_kernel(
         s += tl.dot(q_r, tl.trans(kr), input_precision=DOT_PRECISION)
         s = s * qk_scale  # [BLOCK_M, BLOCK_N]
         ok = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), c, input_precision=DOT_PRECISION)
-        m_i = m_new
+        s = tl.where(ok, s, float("-inf"))  # causal only: no window, soft-cap or ALiBi here
+        p, m_i, l_i, acc = online_softmax(s, m_i, l_i, acc)
+        acc = acc + tl.dot(p.to(COMPUTE_DTYPE), c, input_precision=DOT_PRECISION)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + tok[:, None] * stride_out_tok + head[:, None] * stride_out_head + dc[None, :],
@@ -191,22 +186,6 @@ def store_latent_triton(
     )
 
 
-def _tiles(meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Work list: (request, first query) of every tile, longest key range first (on device)."""
-    key = ("mla_triton_tiles", block_q)
-    if key not in meta.cache:
-        q_lens = meta.host_q_lens
-        per_req = (q_lens + block_q - 1) // block_q
-        req = np.repeat(np.arange(meta.num_reqs), per_req)
-        first = (np.arange(len(req)) - np.repeat(np.cumsum(per_req) - per_req, per_req)) * block_q
-        k_end = meta.host_seq_lens[req] - q_lens[req] + np.minimum(first + block_q, q_lens[req])
-        order = np.argsort(-k_end, kind="stable")
-        meta.cache[key] = tuple(
-            torch.from_numpy(a[order].astype(np.int32)).to(meta.device) for a in (req, first)
-        )
-    return meta.cache[key]
-
-
 def mla_attention_triton(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -237,7 +216,7 @@ def mla_attention_triton(
     block_m = max(MIN_ROWS, block_q * block_h)
     row_bytes = (r + rope) * cache.element_size()
     block_n = 32 if row_bytes <= 1024 else 16
-    tile_req, tile_start = _tiles(meta, block_q)
+    tile_req, tile_start = work_tiles(meta, block_q)
     _mla_decode_kernel[(tile_req.shape[0], triton.cdiv(h, block_h))](
         q_ptr=q,
         cache_ptr=cache,

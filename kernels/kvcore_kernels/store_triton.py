@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore_kernels.store import check_store_args
+from kvcore_kernels.checks import check_store_args
 from kvcore_kernels.triton_util import check_triton_device
 
 

@@ -14,7 +14,7 @@ import kvcore_kernels as kk
 import pytest
 import torch
 from kernel_reference import make_batch, reference_attention, triton_interpreted
-from kvcore_kernels import attention_torch
+from kvcore_kernels import attention_torch, chunks_torch
 
 CASES = {
     # (tokens already cached, query tokens) per request
@@ -132,7 +132,7 @@ def test_twin_chunking_does_not_change_results(gen, monkeypatch, chunk_bytes):
 
 
 def test_twin_explicit_path_slices_queries(gen, monkeypatch):
-    monkeypatch.setattr(attention_torch, "MAX_SCORE_ELEMENTS", 1000)
+    monkeypatch.setattr(chunks_torch, "MAX_SCORE_ELEMENTS", 1000)
     check(gen, "torch", CASES["prefix_mid_block"], features=FEATURES["all"])
 
 

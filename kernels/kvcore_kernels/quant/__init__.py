@@ -14,12 +14,8 @@ layers (served by ``store_kv`` / ``paged_attention``), so a mixed list works unc
 """
 
 from kvcore_kernels.quant.attention import paged_attention_quant
-from kvcore_kernels.quant.cache import (
-    QuantKVCache,
-    allocate_kv_caches,
-    copy_blocks,
-    resolve_formats,
-)
+from kvcore_kernels.quant.blocks import copy_blocks
+from kvcore_kernels.quant.cache import QuantKVCache, allocate_kv_caches, resolve_formats
 from kvcore_kernels.quant.formats import (
     FORMATS,
     KVFormat,
@@ -28,7 +24,8 @@ from kvcore_kernels.quant.formats import (
     check_format,
     get_format,
 )
-from kvcore_kernels.quant.store import read_tokens, store_kv_quant
+from kvcore_kernels.quant.read_torch import read_tokens
+from kvcore_kernels.quant.store import store_kv_quant
 
 __all__ = [
     "FORMATS",

@@ -1,6 +1,6 @@
 """Pure-torch twin of the dequantizing paged attention: the test oracle's peer and the CPU path.
 
-The same chunked schedule as ``kvcore_kernels.attention_torch`` (its ``build_chunks``): per chunk
+The plain twin's chunked schedule (``kvcore_kernels.chunks_torch.build_chunks``): per chunk
 only the blocks its requests read are gathered and decoded (codes times scales, KIVI residual
 blocks taken from the model-dtype pool), into a chunk-sized buffer; then SDPA (or the explicit
 soft-cap / ALiBi path). No dequantized copy of the whole cache is ever made.
@@ -11,24 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvcore_kernels.attention import check_attention_args
-from kvcore_kernels.attention_torch import CHUNK_BYTES_PER_THREAD, _attend_explicit, build_chunks
-from kvcore_kernels.errors import KernelConfigError
+from kvcore_kernels.checks import check_attention_args
+from kvcore_kernels.chunks_torch import CHUNK_BYTES_PER_THREAD, attend_explicit, build_chunks
 from kvcore_kernels.plan import AttentionMetadata
 from kvcore_kernels.quant.cache import QuantKVCache
-from kvcore_kernels.quant.store import read_tokens
-
-
-def shape_proxy(cache: QuantKVCache) -> torch.Tensor:
-    """A zero-stride stand-in ``[num_blocks, 2, bs, H, D]`` in the model dtype on the cache's
-    device, so the shared ``check_attention_args`` checks a quantized call exactly as a plain
-    one (it reads only shape, dtype, device and the last stride)."""
-    if not isinstance(cache, QuantKVCache):
-        raise KernelConfigError("cache must be a QuantKVCache (allocate_kv_caches)")
-    d = cache.head_dim
-    base = torch.empty(d, dtype=cache.dtype, device=cache.device)
-    shape = (cache.num_blocks, 2, cache.block_size, cache.num_kv_heads, d)
-    return base.as_strided(shape, (0, 0, 0, 0, 1))
+from kvcore_kernels.quant.checks import shape_proxy
+from kvcore_kernels.quant.read_torch import read_tokens
 
 
 def paged_attention_quant_torch(
@@ -73,7 +61,7 @@ def paged_attention_quant_torch(
         k, v = kv[:, 0], kv[:, 1]
         q = query.index_select(0, c.q_index).view(n, c.q_max, hq, d)
         if explicit:
-            o = _attend_explicit(q, k, v, c, scale, soft_cap, alibi_slopes)
+            o = attend_explicit(q, k, v, c, scale, soft_cap, alibi_slopes)
         else:
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2),

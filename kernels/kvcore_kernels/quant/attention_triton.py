@@ -1,10 +1,10 @@
 """Triton paged attention over a quantized cache: decoding happens in the K/V tile loads.
 
-The schedule is ``kvcore_kernels.attention_triton``'s (its work list ``_tiles``; the split
-count and merge kernel of ``kvcore_kernels.splits_triton``): grid ``(num_tiles,
-num_kv_heads, num_splits)``, ``BLOCK_M`` rows = query tokens x the query heads of one KV head,
-an online softmax over ``BLOCK_N``-key tiles. Only the K/V loads differ: ``load_triton``'s
-``_load_tile`` decodes a tile from the block rows (codes times scales) in registers.
+The schedule is the plain kernel's (``kvcore_kernels.schedule.work_tiles``; the split count and
+merge kernel of ``kvcore_kernels.splits_triton``): grid ``(num_tiles, num_kv_heads,
+num_splits)``, ``BLOCK_M`` rows = query tokens x the query heads of one KV head, an online
+softmax over ``BLOCK_N``-key tiles. Only the K/V loads differ: ``load_triton``'s device
+functions decode a tile from the block rows (codes times scales) in registers.
 """
 
 from __future__ import annotations
@@ -13,28 +13,29 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore_kernels.attention import check_attention_args
-from kvcore_kernels.attention_triton import (
+from kvcore_kernels.checks import check_attention_args
+from kvcore_kernels.errors import KernelConfigError
+from kvcore_kernels.plan import AttentionMetadata
+from kvcore_kernels.quant.cache import QuantKVCache
+from kvcore_kernels.quant.checks import shape_proxy
+from kvcore_kernels.quant.formats import KCODE_EXP_BIAS, kernel_kind, region_offsets
+from kvcore_kernels.quant.load_triton import (
+    group_dequant,
+    kivi_keys,
+    load_codes,
+    residual_rows,
+    tile_keys,
+    token_meta,
+    unpack,
+)
+from kvcore_kernels.schedule import (
     LOG2E,
     MAX_QUERIES_PER_KV,
     NO_WINDOW,
     SUPPORTED_HEAD_DIMS,
-    _tiles,
+    work_tiles,
 )
-from kvcore_kernels.errors import KernelConfigError
-from kvcore_kernels.plan import AttentionMetadata
-from kvcore_kernels.quant.attention_torch import shape_proxy
-from kvcore_kernels.quant.cache import QuantKVCache
-from kvcore_kernels.quant.formats import KCODE_EXP_BIAS, kernel_kind, region_offsets
-from kvcore_kernels.quant.load_triton import (
-    _group_dequant,
-    _kivi_keys,
-    _load_codes,
-    _residual_rows,
-    _tile_keys,
-    _token_meta,
-    _unpack,
-)
+from kvcore_kernels.softmax_triton import online_softmax, tile_scores
 from kvcore_kernels.splits_triton import choose_num_splits, merge_splits_kernel
 from kvcore_kernels.triton_util import check_triton_device, compute_dtype
 
@@ -122,6 +123,7 @@ def _paged_attention_quant_kernel(
         mask=row_ok[:, None],
         other=0.0,
     ).to(COMPUTE_DTYPE)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
         slope = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
     # fp8: the per-head scales fold into the scores (K) and the output (V), one multiply each.
@@ -148,12 +150,12 @@ def _paged_attention_quant_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for t in range(t_begin, t_end):
-        keys, pos, key_ok, block = _tile_keys(
+        keys, pos, key_ok, block = tile_keys(
             table_row, t, first_block, k_lo, k_end, BLOCK_SIZE, BLOCK_N, PB, SUBS
         )
         seg = head_base + block * (NUM_KV_HEADS * HEAD_BYTES)  # [BLOCK_N] uint8 pointers
         # ---- keys: scores in log2 units
-        kb = _load_codes(seg, pos, key_ok, 0, BLOCK_SIZE, HEAD_DIM, BITS, DATA_OFF)
+        kb = load_codes(seg, pos, key_ok, 0, BLOCK_SIZE, HEAD_DIM, BITS, DATA_OFF)
         if KIND == 0:
             k = kb.to(tl.float8e4nv, bitcast=True).to(COMPUTE_DTYPE)
         elif KIND == 1:
@@ -161,8 +163,8 @@ def _paged_attention_quant_kernel(
         elif KIND == 2:
             k = kb.to(tl.int8, bitcast=True).to(COMPUTE_DTYPE)
         elif KIND <= 4:
-            k = _group_dequant(
-                _unpack(kb, BITS), seg, pos, key_ok, KIND, MIN8, BLOCK_N, HEAD_DIM, K_GROUP,
+            k = group_dequant(
+                unpack(kb, BITS), seg, pos, key_ok, KIND, MIN8, BLOCK_N, HEAD_DIM, K_GROUP,
                 META0_OFF, META1_OFF, KCODE_EXP_BIAS,
             ).to(COMPUTE_DTYPE)  # fmt: skip
         else:
@@ -170,15 +172,15 @@ def _paged_attention_quant_kernel(
             unit_ok = units < num_units
             unit_block = tl.load(table_row + first_block + units // SUBS, mask=unit_ok, other=0)
             unit_seg = head_base + unit_block.to(tl.int64) * (NUM_KV_HEADS * HEAD_BYTES)
-            kf = _kivi_keys(
-                _unpack(kb, BITS), unit_seg, unit_ok, BLOCK_N, PB, HEAD_DIM, META0_OFF,
+            kf = kivi_keys(
+                unpack(kb, BITS), unit_seg, unit_ok, BLOCK_N, PB, HEAD_DIM, META0_OFF,
                 META1_OFF, KCODE_EXP_BIAS,
             )  # fmt: skip
             stage = tl.load(stage_ptr + block, mask=key_ok, other=-1).to(tl.int64)
             staged = key_ok & (stage >= 0)
             any_staged = tl.max(staged.to(tl.int32), 0) > 0
             if any_staged:  # the partial last block (and a window): model-dtype rows
-                res_k = _residual_rows(
+                res_k = residual_rows(
                     residual_ptr, stage, staged, pos, kv_head, stride_res_slot, stride_res_kv,
                     stride_res_pos, stride_res_head, 0, HEAD_DIM,
                 )  # fmt: skip
@@ -186,23 +188,17 @@ def _paged_attention_quant_kernel(
             k = kf.to(COMPUTE_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if KIND == 2:  # int8: the per-token scale scales a score column
-            s = s * (k_scale * _token_meta(seg, pos, key_ok, 0, BLOCK_SIZE, META0_OFF))[None, :]
+            s = s * (k_scale * token_meta(seg, pos, key_ok, 0, BLOCK_SIZE, META0_OFF))[None, :]
         else:
             s = s * k_scale
-        if USE_SOFTCAP:
-            s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)
-        if USE_ALIBI:
-            s += slope[:, None] * (keys[None, :] - q_pos[:, None]).to(tl.float32)
-        ok = (keys[None, :] <= q_pos[:, None]) & (q_pos[:, None] - keys[None, :] < sliding_window)
-        s = tl.where(ok & key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        # Every tile is masked: tiles start on a block boundary (below k_start with a window);
+        # the plain kernel's unmasked path for full tiles is not written (nor measured) here.
+        s = tile_scores(
+            s, keys, key_ok, q_pos, slope, soft_cap, sliding_window, True, USE_SOFTCAP, USE_ALIBI
+        )
+        p, m_new, l_i, acc = online_softmax(s, m_i, l_i, acc)
         # ---- values
-        vb = _load_codes(seg, pos, key_ok, 1, BLOCK_SIZE, HEAD_DIM, BITS, DATA_OFF)
+        vb = load_codes(seg, pos, key_ok, 1, BLOCK_SIZE, HEAD_DIM, BITS, DATA_OFF)
         if KIND <= 1:  # fp8: the head's value scale multiplies the output at the end
             if KIND == 0:
                 v = vb.to(tl.float8e4nv, bitcast=True).to(COMPUTE_DTYPE)
@@ -210,24 +206,24 @@ def _paged_attention_quant_kernel(
                 v = vb.to(tl.float8e5, bitcast=True).to(COMPUTE_DTYPE)
             acc += tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
         elif KIND == 2:  # int8: probabilities times the per-token scale, against the codes
-            sv = _token_meta(seg, pos, key_ok, 1, BLOCK_SIZE, META0_OFF)
+            sv = token_meta(seg, pos, key_ok, 1, BLOCK_SIZE, META0_OFF)
             v = vb.to(tl.int8, bitcast=True).to(COMPUTE_DTYPE)
             acc += tl.dot((p * sv[None, :]).to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
         elif KIND <= 4:
-            v = _group_dequant(
-                _unpack(vb, BITS), seg, pos, key_ok, KIND, MIN8, BLOCK_N, HEAD_DIM, V_GROUP,
+            v = group_dequant(
+                unpack(vb, BITS), seg, pos, key_ok, KIND, MIN8, BLOCK_N, HEAD_DIM, V_GROUP,
                 META2_OFF, META3_OFF, KCODE_EXP_BIAS,
             ).to(COMPUTE_DTYPE)  # fmt: skip
             acc += tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
         else:  # kivi: sum_n p (c s + min) = (p s) @ c + sum_n p min
-            vs = _token_meta(seg, pos, key_ok, 0, BLOCK_SIZE, META2_OFF)
-            vmin = _token_meta(seg, pos, key_ok, 0, BLOCK_SIZE, META3_OFF)
+            vs = token_meta(seg, pos, key_ok, 0, BLOCK_SIZE, META2_OFF)
+            vmin = token_meta(seg, pos, key_ok, 0, BLOCK_SIZE, META3_OFF)
             pq = tl.where(staged[None, :], 0.0, p)
-            v = _unpack(vb, BITS).to(COMPUTE_DTYPE)
+            v = unpack(vb, BITS).to(COMPUTE_DTYPE)
             acc += tl.dot((pq * vs[None, :]).to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
             acc += tl.sum(pq * vmin[None, :], 1)[:, None]
             if any_staged:
-                res_v = _residual_rows(
+                res_v = residual_rows(
                     residual_ptr, stage, staged, pos, kv_head, stride_res_slot, stride_res_kv,
                     stride_res_pos, stride_res_head, 1, HEAD_DIM,
                 )  # fmt: skip
@@ -287,7 +283,7 @@ def paged_attention_quant_triton(
     block_q = block_m // group
     bs_pad = triton.next_power_of_2(shape.block_size)
     unit = min(bs_pad, block_n)
-    tile_req, tile_start = _tiles(meta, block_q)
+    tile_req, tile_start = work_tiles(meta, block_q)
     num_tiles = tile_req.shape[0]
     splits = choose_num_splits(num_tiles * hk, meta.max_seq_len, query.device, block_n)
     if splits > 1:

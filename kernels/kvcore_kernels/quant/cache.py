@@ -1,8 +1,9 @@
-"""Quantized layer caches: allocation (validated first), typed views of the block rows, copies.
+"""Quantized layer caches: allocation (validated first) and typed views of the block rows.
 
 ``allocate_kv_caches`` returns one cache per layer: a plain model-dtype tensor for "auto"
 (the layout of ``kvcore_kernels.cache``) and a ``QuantKVCache`` for every quantized format, so
-a per-layer mix is just a list of formats. Block ids mean the same block in every layer.
+a per-layer mix is just a list of formats. Block ids mean the same block in every layer
+(``quant.blocks.copy_blocks`` copies them).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kvcore_kernels.cache import allocate_kv_cache
@@ -207,19 +207,6 @@ def allocate_kv_caches(
     return caches
 
 
-def encode_residual(
-    cache: QuantKVCache, slots: torch.Tensor, blocks: torch.Tensor, fills, backend: str
-) -> None:
-    """Quantize residual ``slots`` of a KIVI layer into ``blocks`` (Triton on CUDA)."""
-    from kvcore_kernels.cache import check_backend
-
-    if check_backend(backend, cache.device) == "triton":
-        from kvcore_kernels.quant.kivi_triton import encode_blocks_triton as encode
-    else:
-        from kvcore_kernels.quant.store import encode_blocks_torch as encode
-    encode(cache, cache.residual, slots, blocks, fills)
-
-
 def _check_fp8_scales(
     scales: float | torch.Tensor | None, num_layers: int, num_kv_heads: int
 ) -> torch.Tensor | None:
@@ -242,46 +229,3 @@ def _check_fp8_scales(
     if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
         raise KernelConfigError("fp8_scales must be finite and > 0")
     return t.contiguous()
-
-
-def copy_blocks(
-    caches: Sequence[torch.Tensor | QuantKVCache], src, dst, *, backend: str = "auto"
-) -> None:
-    """Copy blocks ``src[i] -> dst[i]`` in every layer, metadata and KIVI residual included.
-
-    The copy-on-write / tier-move primitive: plain caches copy their block rows, quantized
-    ones their byte rows (codes and scales together), KIVI layers also their residual slots
-    (after quantizing the blocks the last step filled, so only partial ones need a slot).
-    ``src``/``dst``: int sequences, NumPy arrays or int tensors of equal length.
-    """
-    src_np = np.asarray(src.cpu() if isinstance(src, torch.Tensor) else src, dtype=np.int64)
-    dst_np = np.asarray(dst.cpu() if isinstance(dst, torch.Tensor) else dst, dtype=np.int64)
-    if src_np.shape != dst_np.shape or src_np.ndim != 1:
-        raise KernelConfigError("src and dst must be 1-D and of equal length")
-    if src_np.size == 0 or not caches:
-        return
-    first = caches[0]
-    num_blocks = first.num_blocks if isinstance(first, QuantKVCache) else first.shape[0]
-    if min(src_np.min(), dst_np.min()) < 0 or max(src_np.max(), dst_np.max()) >= num_blocks:
-        raise KernelConfigError(f"copy_blocks: block ids must be in [0, {num_blocks})")
-    states = {
-        id(c.residual_state): c.residual_state
-        for c in caches
-        if isinstance(c, QuantKVCache) and c.residual_state is not None
-    }
-    flushes = {key: st.take_pending() for key, st in states.items()}
-    for cache in caches:
-        if isinstance(cache, QuantKVCache) and cache.residual_state is not None:
-            blocks, slots, fills = flushes[id(cache.residual_state)]
-            if blocks.numel():
-                encode_residual(cache, slots, blocks, fills, backend)
-    slot_copies = {key: st.plan_copy(src_np, dst_np) for key, st in states.items()}
-    for cache in caches:
-        rows = cache.buffer if isinstance(cache, QuantKVCache) else cache
-        s = torch.from_numpy(src_np).to(rows.device)
-        d = torch.from_numpy(dst_np).to(rows.device)
-        rows.index_copy_(0, d, rows.index_select(0, s))
-        if isinstance(cache, QuantKVCache) and cache.residual is not None:
-            from_slots, to_slots = slot_copies[id(cache.residual_state)]
-            if from_slots.numel():
-                cache.residual.index_copy_(0, to_slots, cache.residual.index_select(0, from_slots))

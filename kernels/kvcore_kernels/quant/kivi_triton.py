@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from kvcore_kernels.quant.cache import QuantKVCache
+from kvcore_kernels.quant.encode_triton import pack_rows, scale_code
 from kvcore_kernels.quant.formats import region_offsets
-from kvcore_kernels.quant.store_triton import _pack, _scale_code
 from kvcore_kernels.triton_util import check_triton_device
 
 
@@ -66,12 +66,12 @@ def _encode_blocks_kernel(
     hi = tl.where(hi == float("-inf"), 0.0, hi)
     kmin16 = tl.minimum(tl.maximum(lo, -65504.0), 65504.0).to(tl.float16)
     kmin = kmin16.to(tl.float32)
-    code, ks = _scale_code((hi - kmin) / levels)
+    code, ks = scale_code((hi - kmin) / levels)
     qk = tl.floor((k - kmin[None, :]) / ks[None, :] + 0.5)
     qk = tl.minimum(tl.maximum(qk, 0.0), levels).to(tl.int32)
     tl.store(  # K codes: rows 0..bs-1 of the segment's [2, bs, width] data
         seg + DATA_OFF + rows[:, None] * width + cols[None, :],
-        _pack(qk, BS_PAD, HEAD_DIM, BITS),
+        pack_rows(qk, BS_PAD, HEAD_DIM, BITS),
         mask=row_ok[:, None],
     )
     tl.store((seg + KMIN_OFF).to(tl.pointer_type(tl.float16)) + dims, kmin16)
@@ -85,7 +85,7 @@ def _encode_blocks_kernel(
     qv = tl.minimum(tl.maximum(qv, 0.0), levels).to(tl.int32)
     tl.store(
         seg + DATA_OFF + (BLOCK_SIZE + rows)[:, None] * width + cols[None, :],
-        _pack(qv, BS_PAD, HEAD_DIM, BITS),
+        pack_rows(qv, BS_PAD, HEAD_DIM, BITS),
         mask=row_ok[:, None],
     )
     tl.store((seg + VSCALE_OFF).to(tl.pointer_type(tl.float16)) + rows, vs16, mask=row_ok)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile_keys(
+def tile_keys(
     block_table_row,  # int32 pointer: this request's block table row
     t,  # tile index from the request's aligned key start
     first_block,  # block-table column of the first (aligned) key
@@ -48,7 +48,7 @@ def _tile_keys(
 
 
 @triton.jit
-def _unpack(byte, BITS: tl.constexpr):
+def unpack(byte, BITS: tl.constexpr):
     """uint8 ``[N, D * BITS / 8]`` -> int32 codes ``[N, D]`` (element d in byte d // (8 / BITS) at
     bit (d % (8 / BITS)) * BITS): shifts and masks in registers after one wide load."""
     b = byte.to(tl.int32)
@@ -58,7 +58,7 @@ def _unpack(byte, BITS: tl.constexpr):
 
 
 @triton.jit
-def _load_codes(
+def load_codes(
     seg,  # [N] uint8 pointers: each row's head segment
     pos,  # [N] slot in the block
     key_ok,  # [N]
@@ -77,7 +77,7 @@ def _load_codes(
 
 
 @triton.jit
-def _group_dequant(
+def group_dequant(
     codes,  # int32 [N, HEAD_DIM]
     seg,
     pos,
@@ -124,7 +124,7 @@ def _group_dequant(
 
 
 @triton.jit
-def _kivi_keys(
+def kivi_keys(
     codes,  # int32 [BLOCK_N, HEAD_DIM]
     unit_seg,  # [NB] uint8 pointers: the head segment of each unit's block
     unit_ok,  # [NB]
@@ -155,7 +155,7 @@ def _kivi_keys(
 
 
 @triton.jit
-def _token_meta(seg, pos, key_ok, KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, OFF: tl.constexpr):
+def token_meta(seg, pos, key_ok, KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, OFF: tl.constexpr):
     """One fp16 per token of K (KV=0) or V (KV=1) at region offset ``OFF``, as fp32 ``[N]``
     (int8's scale; KIVI's value scale and minimum use KV=0 over their ``[bs]`` regions)."""
     p = (seg + OFF).to(tl.pointer_type(tl.float16)) + KV * BLOCK_SIZE + pos
@@ -163,7 +163,7 @@ def _token_meta(seg, pos, key_ok, KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, OF
 
 
 @triton.jit
-def _residual_rows(
+def residual_rows(
     residual_ptr,  # [num_slots, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM] model dtype
     stage,  # [N] int64 residual slot of each row's block (valid where staged)
     staged,  # [N]

@@ -16,24 +16,15 @@ import triton
 import triton.language as tl
 
 from kvcore_kernels.quant.cache import QuantKVCache
+from kvcore_kernels.quant.checks import check_quant_store_args
+from kvcore_kernels.quant.encode_triton import pack_rows, scale_code
 from kvcore_kernels.quant.formats import (
     KIND_FP8_E4M3,
     KIND_FP8_E5M2,
     kernel_kind,
     region_offsets,
 )
-from kvcore_kernels.quant.store import check_quant_store_args
 from kvcore_kernels.triton_util import check_triton_device
-
-
-@triton.jit
-def _pack(q, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
-    """int32 codes [ROWS, HEAD_DIM] -> uint8 [ROWS, HEAD_DIM * BITS // 8] (element d at byte
-    d // (8 // BITS), bit (d % (8 // BITS)) * BITS)."""
-    per: tl.constexpr = 8 // BITS
-    shifts = tl.arange(0, per) * BITS
-    q3 = tl.reshape(q, (ROWS, HEAD_DIM // per, per))
-    return tl.sum(q3 << shifts[None, None, :], 2).to(tl.uint8)
 
 
 @triton.jit
@@ -49,20 +40,11 @@ def _fp8_round(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _scale_code(exact):
-    """``codecs.kcode_encode``: (uint8 e5m3 code rounded up, its fp32 scale) of scales >= 0."""
-    e = tl.minimum(tl.maximum(exact, 1.52587890625e-05), 61440.0).to(tl.int32, bitcast=True)
-    e = (e + 1048575) & -1048576  # round the mantissa up to 3 bits
-    code = (((e >> 23) - 127 + 16) << 3) | ((e >> 20) & 7)
-    return code.to(tl.uint8), e.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _zp_code(lo, hi, levels: tl.constexpr):
     """``codecs.zp_encode``: (e5m3 scale code, scale, int8 zero point, grid start) of groups."""
     need = (hi - lo) / (levels - 0.125)
     need = tl.maximum(need, tl.where(lo < 0, -lo / 16.0, lo / 15.875))
-    code, s = _scale_code(need)
+    code, s = scale_code(need)
     z = tl.minimum(tl.maximum(tl.floor(lo * 8.0 / s), -128.0), 127.0)
     return code, s, z.to(tl.int8), z * s / 8.0
 
@@ -114,7 +96,7 @@ def _encode_token(
         elif KIND == 3:
             lo = tl.minimum(tl.maximum(tl.min(xg, 2), -65504.0), 65504.0).to(tl.float16)
             lof = lo.to(tl.float32)
-            code, s = _scale_code((tl.max(xg, 2) - lof) / levels)
+            code, s = scale_code((tl.max(xg, 2) - lof) / levels)
         else:
             lo = tl.minimum(tl.maximum(tl.min(xg, 2), -65504.0), 65504.0).to(tl.float16)
             lof = lo.to(tl.float32)
@@ -123,7 +105,7 @@ def _encode_token(
             s = code.to(tl.float32)
         q = tl.floor((xg - lof[:, :, None]) / s[:, :, None] + 0.5)
         q = tl.minimum(tl.maximum(q, 0.0), levels).to(tl.int32)
-        packed = _pack(tl.reshape(q, (HEADS_PAD, HEAD_DIM)), HEADS_PAD, HEAD_DIM, BITS)
+        packed = pack_rows(tl.reshape(q, (HEADS_PAD, HEAD_DIM)), HEADS_PAD, HEAD_DIM, BITS)
         cols = tl.arange(0, HEAD_DIM * BITS // 8)
         width: tl.constexpr = HEAD_DIM * BITS // 8
         tl.store(seg[:, None] + DATA_OFF + r * width + cols[None, :], packed, mask=ok[:, None])
