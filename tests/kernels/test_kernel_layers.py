@@ -14,7 +14,7 @@ PKG = Path(kvcore_kernels.__file__).parent
 # 3 backends (one layout, one of torch / Triton), 4 per-layout dispatchers, 5 entry points that
 # pick the layout's variant, 6 package namespaces.
 LAYERS = {
-    "errors": 0, "triton_util": 0,
+    "errors": 0, "device": 0, "triton_util": 0,
     "cache": 1, "plan": 1, "checks": 1, "mla_cache": 1, "quant.formats": 1, "quant.codecs": 1,
     "quant.residual": 1, "quant.cache": 1, "quant.checks": 1,
     "schedule": 2, "splits_triton": 2, "chunks_torch": 2, "quant.load_triton": 2,
