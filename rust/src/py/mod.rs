@@ -11,6 +11,7 @@ mod manager;
 mod sched_args;
 mod scheduler;
 mod step_output;
+mod tiers;
 
 #[pymodule]
 fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -19,6 +19,8 @@ use crate::prefix_cache::PrefixMode;
 use crate::request::NewRequest;
 use crate::sched::{Policy, Scheduler, SchedulerConfig};
 
+type I64Array = Py<numpy::PyArray1<i64>>;
+
 /// The continuous-batching scheduler (documented in `_kvcore.pyi`).
 #[pyclass(name = "Scheduler", module = "kvcore._kvcore")]
 pub struct PyScheduler {
@@ -31,7 +33,9 @@ impl PyScheduler {
     #[pyo3(signature = (
         num_blocks, block_size=16, max_num_batched_tokens=8192, max_num_seqs=256,
         max_model_len=8192, prefix_mode="radix", policy="fcfs", long_prefill_token_threshold=0,
-        watermark=0.01, eos_token_id=None, enable_chunked_prefill=true
+        watermark=0.01, eos_token_id=None, enable_chunked_prefill=true, host_blocks=0,
+        tier_fetch=false, tier_publish=false, tier_root=None, bytes_per_block=1,
+        preemption="recompute"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -46,6 +50,12 @@ impl PyScheduler {
         watermark: f64,
         eos_token_id: Option<i64>,
         enable_chunked_prefill: bool,
+        host_blocks: i64,
+        tier_fetch: bool,
+        tier_publish: bool,
+        tier_root: Option<Vec<u8>>,
+        bytes_per_block: i64,
+        preemption: &str,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
             conv(num_blocks, "num_blocks")?,
@@ -69,6 +79,14 @@ impl PyScheduler {
         cfg.enable_chunked_prefill = enable_chunked_prefill;
         cfg.watermark = watermark;
         cfg.eos_token_id = eos_token_id.map(|t| conv(t, "eos_token_id")).transpose()?;
+        cfg.tiers = super::tiers::tier_config(
+            host_blocks,
+            tier_fetch,
+            tier_publish,
+            tier_root,
+            bytes_per_block,
+            preemption,
+        )?;
         Ok(PyScheduler {
             inner: Scheduler::new(cfg)?,
         })
@@ -211,7 +229,8 @@ impl PyScheduler {
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
         let inner = &mut self.inner;
         let plan = py.detach(|| inner.schedule())?;
-        PyStepPlan::new(py, plan)
+        let bs = self.inner.config().block_size as usize;
+        PyStepPlan::new(py, plan, bs)
     }
 
     fn update(
@@ -229,6 +248,49 @@ impl PyScheduler {
 
     fn stats(&self) -> PySchedulerStats {
         self.inner.stats().into()
+    }
+
+    /// Reports finished fetches (see `_kvcore.pyi`).
+    fn tier_fetched(
+        &mut self,
+        py: Python<'_>,
+        kv_ids: &Bound<'_, PyAny>,
+        counts: &Bound<'_, PyAny>,
+    ) -> PyResult<(I64Array, I64Array)> {
+        let ids: Vec<u64> = conv_all(&ints(kv_ids, "kv_ids")?, "kv_ids")?;
+        let n: Vec<usize> = conv_all(&ints(counts, "counts")?, "counts")?;
+        let (offsets, slots) = self.inner.tier_fetched(&ids, &n)?;
+        let conv64 = |v: Vec<u32>| {
+            v.into_iter()
+                .map(|x| if x == u32::MAX { -1 } else { i64::from(x) })
+        };
+        Ok((
+            numpy::PyArray1::from_iter(py, conv64(offsets)).unbind(),
+            numpy::PyArray1::from_iter(py, conv64(slots)).unbind(),
+        ))
+    }
+
+    fn set_tier_costs(&mut self, copy_bytes_per_s: f64, seconds_per_token: f64) {
+        self.inner
+            .set_tier_costs(copy_bytes_per_s, seconds_per_token);
+    }
+
+    fn tier_stats(&self) -> std::collections::HashMap<&'static str, u64> {
+        let s = self.inner.tier_stats();
+        std::collections::HashMap::from([
+            ("l1_hit_tokens", s.l1_hit_tokens),
+            ("l2_hit_tokens", s.l2_hit_tokens),
+            ("offloaded_blocks", s.offloaded_blocks),
+            ("offload_dropped", s.offload_dropped),
+            ("loaded_blocks", s.loaded_blocks),
+            ("swap_outs", s.swap_outs),
+            ("swap_ins", s.swap_ins),
+            ("published_blocks", s.published_blocks),
+            ("fetch_requests", s.fetch_requests),
+            ("fetched_blocks", s.fetched_blocks),
+            ("host_evictions", s.host_evictions),
+            ("num_fetching", self.inner.num_fetching() as u64),
+        ])
     }
 
     fn check_invariants(&self) -> PyResult<()> {
@@ -320,6 +382,7 @@ impl PyScheduler {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyStepPlan>()?;
+    m.add_class::<super::tiers::PyTierPlan>()?;
     m.add_class::<PyStepOutput>()?;
     m.add_class::<PySchedulerStats>()?;
     Ok(())
