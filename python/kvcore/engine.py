@@ -55,6 +55,7 @@ from kvcore.outputs import RequestOutput, SamplingParams
 from kvcore.report import EngineStats
 from kvcore.requests import Request, build_scheduler, salt_namespace, submit
 from kvcore.sampler import Sampler
+from kvcore.tiers.build import build_tier_manager, tier_scheduler_args
 
 log = logging.getLogger("kvcore")
 
@@ -108,12 +109,14 @@ class LLMEngine:
             raise InvalidArgumentError(f"kv_format: {e}") from None
         num_blocks = cc.resolve_num_blocks(bytes_per_block, dev, reserved)
         self.eos_token_ids = eos_ids(self.model, self.tokenizer)
+        tier_args, codec = tier_scheduler_args(cc, sc, self.model, bytes_per_block, formats)
         self.scheduler = build_scheduler(
             num_blocks,
             self.cache_config,
             self.scheduler_config,
             self.max_model_len,
             self.eos_token_ids[0] if self.eos_token_ids else None,
+            **tier_args,
         )
         try:
             self.runner = ModelRunner(
@@ -129,6 +132,12 @@ class LLMEngine:
             )
         except KernelConfigError as e:  # e.g. int4 on a head dim that is not a multiple of 32
             raise InvalidArgumentError(f"kv_format {cc.kv_format!r}: {e}") from None
+        self.tiers = None  # KV tiers (kvcore.tiers): L2 host, L3 disk, L4 Redis
+        if codec is not None:
+            self.tiers = build_tier_manager(
+                cc, self.runner.kv_caches, tier_args["host_blocks"], codec
+            )
+            self.runner.tier_hook = self.tiers.apply
         self.sampler = Sampler(self.vocab_size, dev, seed=seed)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
         self._requests: dict[int, Request] = {}  # internal id -> request
@@ -308,10 +317,16 @@ class LLMEngine:
         forward_before = self.runner.forward_seconds
         with self._lock:
             self._drain_deferred_aborts()
+            if self.tiers is not None:  # fetched blocks into L2 before admission looks
+                self.tiers.before_schedule(self.scheduler, self.runner.forward_seconds)
             plan = self.scheduler.schedule()
             self.stats.observe_plan(plan, self.scheduler)
             if len(plan.input_ids) == 0:
+                if self.tiers is not None:
+                    self.tiers.apply(plan)  # moves and fetches of a step with no forward
                 self.scheduler.update(plan.step_id, np.zeros(0, np.int64))
+                if self.tiers is not None and self.tiers.num_fetching:
+                    time.sleep(0.0005)  # only waiting for background fetches
                 return []
             if self._unscheduled:
                 self._stamp_new(plan, start)
@@ -418,6 +433,12 @@ class LLMEngine:
         if req.sink is not None:
             req.sink(out)  # under the lock: the output is there before anyone sees it gone
         return out
+
+    def tier_figures(self) -> dict[str, float]:
+        """Per-tier statistics (hit tokens per tier, bytes each way, load latency p50/p95,
+        swap-outs/ins); empty without tiers."""
+        with self._lock:
+            return {} if self.tiers is None else self.tiers.figures(self.scheduler)
 
     def run(self) -> Iterator[RequestOutput]:
         """Step until every request is done, yielding outputs as they come (streaming form)."""

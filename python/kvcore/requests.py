@@ -28,8 +28,10 @@ def build_scheduler(
     sched: SchedulerConfig,
     max_model_len: int,
     eos_token_id: int | None,
+    **tier_args: Any,
 ) -> Any:
-    """The Rust scheduler for this engine's cache and limits."""
+    """The Rust scheduler for this engine's cache and limits (``tier_args``: see
+    ``kvcore.tiers.build``)."""
     return _kvcore.Scheduler(
         num_blocks=num_blocks,
         block_size=cache.block_size,
@@ -42,6 +44,7 @@ def build_scheduler(
         watermark=sched.watermark,
         eos_token_id=eos_token_id,
         enable_chunked_prefill=sched.enable_chunked_prefill,
+        **tier_args,
     )
 
 
