@@ -57,11 +57,15 @@ class CacheConfig:
 
     def _check_tiers(self) -> None:
         if not (_is_int(self.host_kv_bytes) and self.host_kv_bytes >= 0):
-            raise InvalidArgumentError(f"host_kv_bytes must be an int >= 0, got {self.host_kv_bytes!r}")
+            raise InvalidArgumentError(
+                f"host_kv_bytes must be an int >= 0, got {self.host_kv_bytes!r}"
+            )
         if not (_is_int(self.disk_bytes) and self.disk_bytes > 0):
             raise InvalidArgumentError(f"disk_bytes must be an int > 0, got {self.disk_bytes!r}")
         if self.disk_path is not None and not (isinstance(self.disk_path, str) and self.disk_path):
-            raise InvalidArgumentError(f"disk_path must be a directory path, got {self.disk_path!r}")
+            raise InvalidArgumentError(
+                f"disk_path must be a directory path, got {self.disk_path!r}"
+            )
         if self.remote_url is not None and not (
             isinstance(self.remote_url, str) and self.remote_url.startswith(("redis://", "unix://"))
         ):
@@ -69,7 +73,9 @@ class CacheConfig:
                 f"remote_url must be a redis:// URL, got {self.remote_url!r}"
             )
         if (self.disk_path or self.remote_url) and not self.host_kv_bytes:
-            raise InvalidArgumentError("disk_path and remote_url need a host tier: host_kv_bytes > 0")
+            raise InvalidArgumentError(
+                "disk_path and remote_url need a host tier: host_kv_bytes > 0"
+            )
         t = self.remote_timeout_s
         if not (isinstance(t, int | float) and not isinstance(t, bool) and 0 < t <= 60):
             raise InvalidArgumentError(f"remote_timeout_s must be in (0, 60], got {t!r}")

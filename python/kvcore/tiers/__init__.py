@@ -3,8 +3,8 @@
 The Rust core decides every move (see ``rust/src/tiers/mod.rs``); this package moves bytes:
 
 - ``TierManager.apply(plan)`` (the model runner calls it before ``copy_ops``): publish reads
-  (L1 blocks written through to L4 in the background), offloads (L1 -> L2 slots; cached ones
-  written through to L3 in the background), loads (L2 -> L1), then starts the plan's fetches.
+  (newly computed L1 blocks, written through to L3 and L4 in the background), offloads
+  (L1 -> L2 slots), loads (L2 -> L1), then starts the plan's fetches.
 - ``TierManager.before_schedule(scheduler)`` (the engine calls it before each ``schedule()``):
   collects finished or timed-out fetches, hands them to ``Scheduler.tier_fetched`` and writes
   the arrived blocks into the L2 slots it returns; updates the swap cost model's measurements.
@@ -109,26 +109,16 @@ class TierManager:
         """The plan's tier moves, in order: publish reads, offloads, loads; then its fetches."""
         io = plan.tier_io
         self.tokens_computed += int(plan.num_tokens)
-        if len(io.publish) and self.remote is not None:
+        if len(io.publish):  # write-through of newly computed blocks to L3 and L4
             data = self.gather(io.publish).numpy()
             self.bytes_published += data.nbytes
-            items = [
-                (k.tobytes().hex(), self.codec.encode(k.tobytes(), t, row.tobytes()))
-                for k, t, row in zip(io.publish_keys, io.publish_tokens, data, strict=True)
-            ]
-            self.io.submit(self.remote.put_many, items)
+            keys, toks = io.publish_keys.copy(), io.publish_tokens.copy()
+            self.io.submit(self._publish, keys, toks, data)
         off = plan.tier_offload
         if len(off):
             data = self.gather(off[:, 0])
             self.host[torch.as_tensor(off[:, 1].astype(np.int64))] = data
             self.bytes_offloaded += data.numel()
-            if self.disk is not None:
-                keep = np.flatnonzero(io.offload_kind == 1)
-                rows = data.numpy()
-                self.io.submit(
-                    self._disk_put,
-                    [(io.offload_keys[i].tobytes(), io.offload_tokens[i], rows[i]) for i in keep],
-                )
         load = plan.tier_load
         if len(load):
             start = time.perf_counter()
@@ -146,9 +136,16 @@ class TierManager:
             fut = self.io.submit(self._fetch, keys, toks)
             self._fetches[kv_id] = (fut, time.perf_counter(), keys, toks)
 
-    def _disk_put(self, items: list[tuple[bytes, np.ndarray, np.ndarray]]) -> None:
-        for key, toks, row in items:
-            self.disk.put(key.hex(), self.codec.encode(key, toks, row.tobytes()))
+    def _publish(self, keys: np.ndarray, toks: np.ndarray, rows: np.ndarray) -> None:
+        items = [
+            (k.tobytes().hex(), self.codec.encode(k.tobytes(), t, row.tobytes()))
+            for k, t, row in zip(keys, toks, rows, strict=True)
+        ]
+        if self.disk is not None:
+            for name, value in items:
+                self.disk.put(name, value)
+        if self.remote is not None:
+            self.remote.put_many(items)
 
     def _fetch(self, keys: np.ndarray, toks: np.ndarray) -> list[tuple[bytes, int]]:
         """Leading blocks of ``keys`` found in L3, then L4: ``[(payload, tier)]``."""

@@ -46,7 +46,7 @@ def tier_scheduler_args(
     args = {
         "host_blocks": host_blocks,
         "tier_fetch": bool(cc.disk_path or cc.remote_url),
-        "tier_publish": bool(cc.remote_url),
+        "tier_publish": bool(cc.disk_path or cc.remote_url),
         "tier_root": root,
         "bytes_per_block": bytes_per_block,
         "preemption": sc.preemption,

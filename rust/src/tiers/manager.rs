@@ -152,7 +152,15 @@ impl KvManager {
         watermark_blocks: u32,
     ) -> KvResult<bool> {
         if hit.slots.is_empty() {
-            return self.admit(req, ns, tokens, &hit.l1, num_new_tokens, watermark_blocks);
+            let ok = self.admit(req, ns, tokens, &hit.l1, num_new_tokens, watermark_blocks)?;
+            if ok {
+                // L1 still held a swapped-out sequence's blocks: its private slots go back.
+                if let Some(sw) = self.tiers.as_mut().and_then(|t| t.swaps.remove(&req)) {
+                    let t = self.tiers.as_mut().expect("checked above");
+                    sw.slots.into_iter().for_each(|s| t.host.free_private(s));
+                }
+            }
+            return Ok(ok);
         }
         let loaded = hit.num_tokens - hit.l1.num_tokens;
         let ok = self.admit(

@@ -1,10 +1,10 @@
 //! KV tiers below the block pool: what the core knows about blocks that left L1.
 //!
 //! ```text
-//!   L1 device pool ──evict (write-back)──► L2 host slots ──(Python, write-through)──► L3 disk
+//!   L1 device pool ──evict (write-back)──► L2 host slots
 //!        ▲                                      │    ▲
 //!        └──────────── load (admission) ────────┘    └── fetch (background I/O) ── L3 / L4 Redis
-//!   a block cached in L1 for the first time ──publish (write-through)──► L4
+//!   a block cached in L1 for the first time ──publish (write-through)──► L3 disk, L4 Redis
 //! ```
 //!
 //! Every cached block is named by a chained SHA-256 key, `key_i = SHA-256(key_{i-1} | ns |
@@ -86,7 +86,7 @@ pub struct TierConfig {
     pub host_blocks: u32,
     /// Whether an L3 or L4 tier exists: waiting sequences ask it for the blocks L1/L2 lack.
     pub fetch: bool,
-    /// Whether newly cached blocks are written through to L4.
+    /// Whether newly cached blocks are written through to L3/L4 (`publish` ops).
     pub publish: bool,
     /// Root of every key chain (model fingerprint, storage format, block size).
     pub root: BlockKey,
