@@ -16,7 +16,6 @@ from kvcore import LLM, SamplingParams
 from kvcore.errors import InvalidArgumentError
 from kvcore.tiers import BlockCodec
 from kvcore.tiers.stores import DiskStore
-
 from tier_fixtures import redis_server  # noqa: F401  (fixture)
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
