@@ -11,8 +11,8 @@ The Rust core decides every move (see ``rust/src/tiers/mod.rs``); this package m
 
 A block's bytes are its row in every layer's cache, in the cache's own storage format: the
 plain ``[num_blocks, 2, block_size, heads, dim]`` tensor viewed as bytes, or a quantized
-cache's ``buffer`` rows (codes and scales together). L2 is one ``[host_blocks, block_bytes]``
-uint8 tensor (pinned when the cache is on CUDA).
+cache's ``buffer`` rows (codes and scales together). L2 is a ``[host_blocks, row_bytes]``
+uint8 tensor per layer (pinned when the cache is on CUDA).
 """
 
 from __future__ import annotations
@@ -78,7 +78,11 @@ class TierManager:
         self.bounds = np.cumsum([0] + [r.shape[1] for r in self.layers]).tolist()
         self.block_bytes = int(self.bounds[-1])
         pin = self.device.type == "cuda"
-        self.host = torch.zeros((host_blocks, self.block_bytes), dtype=torch.uint8, pin_memory=pin)
+        # L2: one [host_blocks, row_bytes] tensor per layer (contiguous rows per copy).
+        self.host = [
+            torch.zeros((host_blocks, r.shape[1]), dtype=torch.uint8, pin_memory=pin)
+            for r in self.layers
+        ]
         self.codec, self.disk, self.remote = codec, disk, remote
         self.fetch_timeout_s = fetch_timeout_s
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcore-tier")
@@ -98,13 +102,6 @@ class TierManager:
         idx = torch.as_tensor(np.asarray(blocks, np.int64), device=self.device)
         return torch.cat([rows.index_select(0, idx).cpu() for rows in self.layers], dim=1)
 
-    def scatter(self, blocks: np.ndarray, data: torch.Tensor) -> None:
-        """Writes ``[n, block_bytes]`` bytes into L1 blocks."""
-        idx = torch.as_tensor(np.asarray(blocks, np.int64), device=self.device)
-        data = data.to(self.device, non_blocking=True)
-        for rows, a, b in zip(self.layers, self.bounds[:-1], self.bounds[1:], strict=True):
-            rows.index_copy_(0, idx, data[:, a:b])
-
     def apply(self, plan: Any) -> None:
         """The plan's tier moves, in order: publish reads, offloads, loads; then its fetches."""
         io = plan.tier_io
@@ -116,13 +113,20 @@ class TierManager:
             self.io.submit(self._publish, keys, toks, data)
         off = plan.tier_offload
         if len(off):
-            data = self.gather(off[:, 0])
-            self.host[torch.as_tensor(off[:, 1].astype(np.int64))] = data
-            self.bytes_offloaded += data.numel()
+            src = torch.as_tensor(off[:, 0].astype(np.int64), device=self.device)
+            dst = torch.as_tensor(off[:, 1].astype(np.int64))
+            for rows, host in zip(self.layers, self.host, strict=True):
+                host.index_copy_(0, dst, rows.index_select(0, src).cpu())
+            self.bytes_offloaded += len(off) * self.block_bytes
         load = plan.tier_load
         if len(load):
             start = time.perf_counter()
-            self.scatter(load[:, 1], self.host[torch.as_tensor(load[:, 0].astype(np.int64))])
+            src = torch.as_tensor(load[:, 0].astype(np.int64))
+            dst = torch.as_tensor(load[:, 1].astype(np.int64), device=self.device)
+            for rows, host in zip(self.layers, self.host, strict=True):
+                rows.index_copy_(
+                    0, dst, host.index_select(0, src).to(self.device, non_blocking=True)
+                )
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             dt = time.perf_counter() - start
@@ -202,7 +206,11 @@ class TierManager:
                     payload, tier = got[j]
                     self.tier_hit_tokens[tier] += self.codec.block_size
                     if slot >= 0:
-                        self.host[slot] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                        row = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                        for host, a, b in zip(
+                            self.host, self.bounds[:-1], self.bounds[1:], strict=True
+                        ):
+                            host[slot] = row[a:b]
         if self.load_seconds > 0 and self.tokens_computed:
             scheduler.set_tier_costs(
                 self.bytes_loaded / self.load_seconds, forward_seconds / self.tokens_computed
