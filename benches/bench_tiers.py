@@ -10,7 +10,7 @@ histories compete for the pool. ``--scale`` multiplies every length (1.0 = the i
 CPU runs use a smaller scale, and say so in the ``scale`` line).
 
 Sizes: the working set is the KV of every conversation's final history (shared system prompts
-once); the pool holds ``working_set / --pool-ratio`` (4) tokens; L2 holds the whole working set;
+once); the pool holds ``working_set / --pool-ratio`` (4.5) tokens; L2 holds the whole working set;
 the L2+L3 run gets half of that in L2 and the rest on disk. The second process replays every
 conversation's final turn cold (empty L1 and L2) against the Redis the first L4 run filled.
 
@@ -141,7 +141,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--output", type=int, default=8)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--pool-ratio", type=float, default=4.0)
+    ap.add_argument("--pool-ratio", type=float, default=4.5)
     return ap.parse_args(argv)
 
 

@@ -195,3 +195,16 @@ def test_redis_killed_mid_run_serves_by_recompute_and_reconnects(
 
     time.sleep(0.1)
     assert eng.tiers.remote.put_many([("ab", b"1")])  # reconnected
+
+
+def test_smollm2_outputs_equal_with_l2_under_eviction():
+    """One real-model case: SmolLM2 with a pool that evicts constantly, L2 on and off."""
+    prompts = workload(3, 3)
+    kw = dict(num_blocks=14, block_size=8, max_num_seqs=2)
+    ref = LLM("smollm2-135m", **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False
+    )
+    llm = LLM("smollm2-135m", host_kv_bytes=1 << 26, **kw)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert llm.engine.tier_figures()["tier_l2_hit_tokens"] > 0
