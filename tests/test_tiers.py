@@ -208,3 +208,13 @@ def test_smollm2_outputs_equal_with_l2_under_eviction():
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert llm.engine.tier_figures()["tier_l2_hit_tokens"] > 0
+
+
+def test_hash_mode_sha256_gives_the_same_outputs(baseline):
+    for h in ("sha256", "xxh3"):
+        tokens, eng = run(workload(), prefix_caching="hash", prefix_hash=h)
+        assert tokens == baseline
+        assert eng.scheduler.prefix_mode == ("hash_sha256" if h == "sha256" else "hash")
+        assert eng.scheduler.stats().prefix_hit_tokens > 0
+    with pytest.raises(InvalidArgumentError):
+        LLM("tiny-llama", num_blocks=24, prefix_hash="md5")

@@ -503,8 +503,9 @@ class Scheduler:
         preemption: str = "recompute",
     ) -> Self:
         """``num_blocks`` includes the null block; ``prefix_mode`` is ``"radix"``, ``"hash"``
-        or ``"off"``; ``long_prefill_token_threshold`` caps a sequence's prefill chunk per step
-        (0: no cap); ``watermark`` is the fraction of blocks admission keeps free;
+        (xxh3-128), ``"hash_sha256"`` or ``"off"`` (hash modes compare token ids on a match);
+        ``long_prefill_token_threshold`` caps a sequence's prefill chunk per step (0: no cap);
+        ``watermark`` is the fraction of blocks admission keeps free;
         ``enable_chunked_prefill=False`` computes each prompt in one step (the budget must
         hold ``max_model_len`` tokens).
 

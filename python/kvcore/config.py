@@ -54,6 +54,9 @@ class CacheConfig:
     disk_bytes: int = 1 << 30  # L3 byte cap
     remote_url: str | None = None  # L4, e.g. "redis://127.0.0.1:6379/0"
     remote_timeout_s: float = 0.5  # per Redis call; a fetch that takes longer is a miss
+    # chained hash of prefix_caching="hash": xxh3 (128-bit, fast) or sha256 (collision-resistant);
+    # either way a hash match reuses a block only when its token ids are equal
+    prefix_hash: str = "xxh3"
 
     def _check_tiers(self) -> None:
         if not (_is_int(self.host_kv_bytes) and self.host_kv_bytes >= 0):
@@ -75,6 +78,10 @@ class CacheConfig:
         if (self.disk_path or self.remote_url) and not self.host_kv_bytes:
             raise InvalidArgumentError(
                 "disk_path and remote_url need a host tier: host_kv_bytes > 0"
+            )
+        if self.prefix_hash not in ("xxh3", "sha256"):
+            raise InvalidArgumentError(
+                f"prefix_hash must be xxh3 or sha256, got {self.prefix_hash!r}"
             )
         t = self.remote_timeout_s
         if not (isinstance(t, int | float) and not isinstance(t, bool) and 0 < t <= 60):

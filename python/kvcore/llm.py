@@ -68,6 +68,7 @@ class LLM:
         disk_bytes: int = 1 << 30,
         remote_url: str | None = None,
         preemption: str = "auto",
+        prefix_hash: str = "xxh3",
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         dtype: str | torch.dtype = "auto",
@@ -88,6 +89,7 @@ class LLM:
             disk_path=disk_path,
             disk_bytes=disk_bytes,
             remote_url=remote_url,
+            prefix_hash=prefix_hash,
         )
         scheduler_config = scheduler_config or SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,

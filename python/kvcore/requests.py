@@ -35,7 +35,9 @@ def build_scheduler(
     return _kvcore.Scheduler(
         num_blocks=num_blocks,
         block_size=cache.block_size,
-        prefix_mode=cache.prefix_caching,
+        prefix_mode="hash_sha256"
+        if cache.prefix_caching == "hash" and cache.prefix_hash == "sha256"
+        else cache.prefix_caching,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_num_seqs=sched.max_num_seqs,
         max_model_len=max_model_len,
