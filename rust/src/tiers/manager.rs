@@ -154,6 +154,9 @@ impl KvManager {
         if hit.slots.is_empty() {
             let ok = self.admit(req, ns, tokens, &hit.l1, num_new_tokens, watermark_blocks)?;
             if ok {
+                if let Some(t) = self.tiers.as_mut() {
+                    t.stats_mut().l1_hit_tokens += hit.num_tokens as u64;
+                }
                 // L1 still held a swapped-out sequence's blocks: its private slots go back.
                 if let Some(sw) = self.tiers.as_mut().and_then(|t| t.swaps.remove(&req)) {
                     let t = self.tiers.as_mut().expect("checked above");
