@@ -54,6 +54,15 @@ def layer_rows(cache: Any) -> torch.Tensor:
     return cache.view(cache.shape[0], -1).view(torch.uint8)
 
 
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` viewed with the widest integer dtype that divides a row: indexed copies of
+    int64 rows run several times faster than of uint8 rows on the CPU."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4)):
+        if rows.shape[1] % size == 0 and rows.is_contiguous():
+            return rows.view(dtype)
+    return rows
+
+
 def percentile_ms(values: list[float], q: float) -> float:
     """The ``q`` percentile of ``values`` (seconds) in ms; nan when empty."""
     return float(np.percentile(values, q) * 1e3) if values else float("nan")
@@ -73,14 +82,14 @@ class TierManager:
         fetch_timeout_s: float = 5.0,
         io_threads: int = 4,
     ):
-        self.layers = [layer_rows(c) for c in kv_caches]
+        self.layers = [_wide(layer_rows(c)) for c in kv_caches]
         self.device = self.layers[0].device
-        self.bounds = np.cumsum([0] + [r.shape[1] for r in self.layers]).tolist()
+        self.bounds = np.cumsum([0] + [r.view(torch.uint8).shape[1] for r in self.layers]).tolist()
         self.block_bytes = int(self.bounds[-1])
         pin = self.device.type == "cuda"
         # L2: one [host_blocks, row_bytes] tensor per layer (contiguous rows per copy).
         self.host = [
-            torch.zeros((host_blocks, r.shape[1]), dtype=torch.uint8, pin_memory=pin)
+            torch.zeros((host_blocks, r.shape[1]), dtype=r.dtype, pin_memory=pin)
             for r in self.layers
         ]
         self.codec, self.disk, self.remote = codec, disk, remote
@@ -100,7 +109,8 @@ class TierManager:
     def gather(self, blocks: np.ndarray) -> torch.Tensor:
         """``[n, block_bytes]`` host bytes of L1 blocks (every layer's row, in layer order)."""
         idx = torch.as_tensor(np.asarray(blocks, np.int64), device=self.device)
-        return torch.cat([rows.index_select(0, idx).cpu() for rows in self.layers], dim=1)
+        parts = [rows.index_select(0, idx).cpu().view(torch.uint8) for rows in self.layers]
+        return torch.cat(parts, dim=1)
 
     def apply(self, plan: Any) -> None:
         """The plan's tier moves, in order: publish reads, offloads, loads; then its fetches."""
@@ -210,7 +220,7 @@ class TierManager:
                         for host, a, b in zip(
                             self.host, self.bounds[:-1], self.bounds[1:], strict=True
                         ):
-                            host[slot] = row[a:b]
+                            host[slot].view(torch.uint8).copy_(row[a:b])
         if self.load_seconds > 0 and self.tokens_computed:
             scheduler.set_tier_costs(
                 self.bytes_loaded / self.load_seconds, forward_seconds / self.tokens_computed
