@@ -21,6 +21,7 @@ __all__ = [
     "StaleStepError",
     "StepOutput",
     "StepPlan",
+    "TierPlan",
     "TooLongError",
     "UnknownRequestError",
     "__version__",
@@ -300,6 +301,20 @@ class StepPlan:
         (copy-on-write of shared partial blocks)."""
 
     @property
+    def tier_offload(self) -> NDArray[np.int32]:
+        """``[n, 2]`` (L1 block, L2 slot) copies to apply before ``tier_load`` and ``copy_ops``
+        (write-back of evicted cached blocks, swap-out of preempted sequences)."""
+
+    @property
+    def tier_load(self) -> NDArray[np.int32]:
+        """``[m, 2]`` (L2 slot, L1 block) copies to apply after ``tier_offload``, before
+        ``copy_ops`` (prefix hits in L2, swap-ins)."""
+
+    @property
+    def tier_io(self) -> TierPlan:
+        """Keys, token ids and fetch lists of this step's tier moves."""
+
+    @property
     def logits_indices(self) -> NDArray[np.int64]:
         """``[S]`` index into the ``T`` tokens of each sampled logits row."""
 
@@ -314,6 +329,53 @@ class StepPlan:
     @property
     def sample_seq_index(self) -> NDArray[np.int32]:
         """``[S]`` sample index (``0..n``) within its request of each sample."""
+
+@final
+class TierPlan:
+    """The I/O half of a step's tier moves (the copies are ``StepPlan.tier_offload`` /
+    ``tier_load``). Keys are chained SHA-256 block keys (32 bytes); ``bs`` is the block size.
+    Apply order: gather ``publish`` blocks, ``tier_offload``, ``tier_load``, ``copy_ops``."""
+
+    @property
+    def offload_kind(self) -> NDArray[np.uint8]:
+        """``[n]`` 1: a cached block written back on eviction; 2: a swapped-out block."""
+
+    @property
+    def offload_keys(self) -> NDArray[np.uint8]:
+        """``[n, 32]`` key of each offload (zeros for swaps)."""
+
+    @property
+    def offload_tokens(self) -> NDArray[np.int32]:
+        """``[n, bs]`` token ids of each offload (zeros for swaps)."""
+
+    @property
+    def publish(self) -> NDArray[np.int32]:
+        """``[p]`` newly cached L1 blocks to write through to L3/L4."""
+
+    @property
+    def publish_keys(self) -> NDArray[np.uint8]:
+        """``[p, 32]`` their keys."""
+
+    @property
+    def publish_tokens(self) -> NDArray[np.int32]:
+        """``[p, bs]`` their token ids."""
+
+    @property
+    def fetch_seqs(self) -> NDArray[np.int64]:
+        """``[r]`` ids of waiting sequences that want blocks from L3/L4 (pass back to
+        ``Scheduler.tier_fetched``)."""
+
+    @property
+    def fetch_offsets(self) -> NDArray[np.int32]:
+        """``[r + 1]`` offsets of each sequence's keys in ``fetch_keys``."""
+
+    @property
+    def fetch_keys(self) -> NDArray[np.uint8]:
+        """``[k, 32]`` keys to fetch, in chain order (only a leading run is useful)."""
+
+    @property
+    def fetch_tokens(self) -> NDArray[np.int32]:
+        """``[k, bs]`` token ids of ``fetch_keys`` (compare with what a value stores)."""
 
 @final
 class StepOutput:
@@ -455,12 +517,27 @@ class Scheduler:
         watermark: float = 0.01,
         eos_token_id: int | None = None,
         enable_chunked_prefill: bool = True,
+        host_blocks: int = 0,
+        tier_fetch: bool = False,
+        tier_publish: bool = False,
+        tier_root: bytes | None = None,
+        bytes_per_block: int = 1,
+        preemption: str = "recompute",
     ) -> Self:
         """``num_blocks`` includes the null block; ``prefix_mode`` is ``"radix"``, ``"hash"``
-        or ``"off"``; ``long_prefill_token_threshold`` caps a sequence's prefill chunk per step
-        (0: no cap); ``watermark`` is the fraction of blocks admission keeps free;
+        (xxh3-128), ``"hash_sha256"`` or ``"off"`` (hash modes compare token ids on a match);
+        ``long_prefill_token_threshold`` caps a sequence's prefill chunk per step (0: no cap);
+        ``watermark`` is the fraction of blocks admission keeps free;
         ``enable_chunked_prefill=False`` computes each prompt in one step (the budget must
-        hold ``max_model_len`` tokens)."""
+        hold ``max_model_len`` tokens).
+
+        Tiers (``host_blocks > 0``): an L2 of that many host slots takes evicted cached blocks
+        (``StepPlan.tier_offload``) and serves prefix hits (``tier_load``); ``tier_fetch`` makes
+        waiting sequences ask L3/L4 for missing blocks (``TierPlan.fetch_*``, answered with
+        ``tier_fetched``); ``tier_publish`` writes newly cached blocks through (``TierPlan.
+        publish``); ``tier_root`` (32 bytes) roots the key chain; ``preemption`` is
+        ``"recompute"``, ``"swap"`` or ``"auto"`` (swap when ``bytes_per_block`` times the blocks
+        over the measured copy bandwidth costs less than recomputing the computed tokens)."""
 
     def add_requests(
         self,
@@ -520,6 +597,21 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Raises ``InvariantError`` if the scheduler or KV manager state is inconsistent."""
+
+    def tier_fetched(
+        self, kv_ids: _Ints, counts: _Ints
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Reports finished fetches: the first ``counts[i]`` blocks of sequence ``kv_ids[i]``
+        arrived (0: a miss). Returns ``(offsets [r + 1], slots)``: the L2 slots to write sequence
+        ``i``'s blocks into, in order, ``-1`` for a block L2 already holds."""
+
+    def set_tier_costs(self, copy_bytes_per_s: float, seconds_per_token: float) -> None:
+        """Updates the swap cost model's measurements (ignored unless finite and > 0)."""
+
+    def tier_stats(self) -> dict[str, int]:
+        """Tier counters: l1_hit_tokens, l2_hit_tokens, offloaded_blocks, offload_dropped,
+        loaded_blocks, swap_outs, swap_ins, published_blocks, fetch_requests, fetched_blocks,
+        host_evictions, num_fetching."""
 
     def has_unfinished(self) -> bool:
         """True while some request is unfinished."""

@@ -76,6 +76,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=ca.int_at_least(2), default=None)
     p.add_argument("--seed", type=ca.non_negative_int, default=0)
+    # KV tiers (docs/tiers.md)
+    p.add_argument(
+        "--host-kv-mb", type=ca.non_negative_int, default=0, help="L2 host-memory KV tier, MiB"
+    )
+    p.add_argument("--disk-path", default=None, help="L3 disk tier directory")
+    p.add_argument("--disk-mb", type=ca.int_at_least(1), default=1024, help="L3 byte cap, MiB")
+    p.add_argument("--remote-url", default=None, help="L4 shared store, redis://host:port/db")
+    p.add_argument("--preemption", default="auto", choices=["auto", "recompute", "swap"])
 
 
 def _make_llm(args: argparse.Namespace, model: Any = None, tokenizer: Any = None, **kw: Any):
@@ -100,6 +108,11 @@ def _make_llm(args: argparse.Namespace, model: Any = None, tokenizer: Any = None
         max_model_len=args.max_model_len,
         device=args.device,
         seed=args.seed,
+        host_kv_bytes=args.host_kv_mb << 20,
+        disk_path=args.disk_path,
+        disk_bytes=args.disk_mb << 20,
+        remote_url=args.remote_url,
+        preemption=args.preemption,
     )
 
 

@@ -138,8 +138,48 @@ class CacheConfig:
     # KIVI: full blocks before each request's newest tokens kept in the model dtype (besides its
     # partial last block), KIVI's full-precision window of recent tokens
     kivi_window: int = 0
+    # ---- KV tiers (docs/tiers.md): evicted/preempted KV goes to host memory (L2), a local
+    # disk (L3) and a shared Redis (L4), and comes back on a prefix hit. 0 / None: off.
+    host_kv_bytes: int = 0  # L2 host-memory budget in bytes (needed by L3, L4 and swap)
+    disk_path: str | None = None  # L3 directory of chunk files
+    disk_bytes: int = 1 << 30  # L3 byte cap
+    remote_url: str | None = None  # L4, e.g. "redis://127.0.0.1:6379/0"
+    remote_timeout_s: float = 0.5  # per Redis call; a fetch that takes longer is a miss
+    # chained hash of prefix_caching="hash": xxh3 (128-bit, fast) or sha256 (collision-resistant);
+    # either way a hash match reuses a block only when its token ids are equal
+    prefix_hash: str = "xxh3"
+
+    def _check_tiers(self) -> None:
+        if not (_is_int(self.host_kv_bytes) and self.host_kv_bytes >= 0):
+            raise InvalidArgumentError(
+                f"host_kv_bytes must be an int >= 0, got {self.host_kv_bytes!r}"
+            )
+        if not (_is_int(self.disk_bytes) and self.disk_bytes > 0):
+            raise InvalidArgumentError(f"disk_bytes must be an int > 0, got {self.disk_bytes!r}")
+        if self.disk_path is not None and not (isinstance(self.disk_path, str) and self.disk_path):
+            raise InvalidArgumentError(
+                f"disk_path must be a directory path, got {self.disk_path!r}"
+            )
+        if self.remote_url is not None and not (
+            isinstance(self.remote_url, str) and self.remote_url.startswith(("redis://", "unix://"))
+        ):
+            raise InvalidArgumentError(
+                f"remote_url must be a redis:// URL, got {self.remote_url!r}"
+            )
+        if (self.disk_path or self.remote_url) and not self.host_kv_bytes:
+            raise InvalidArgumentError(
+                "disk_path and remote_url need a host tier: host_kv_bytes > 0"
+            )
+        if self.prefix_hash not in ("xxh3", "sha256"):
+            raise InvalidArgumentError(
+                f"prefix_hash must be xxh3 or sha256, got {self.prefix_hash!r}"
+            )
+        t = self.remote_timeout_s
+        if not (isinstance(t, int | float) and not isinstance(t, bool) and 0 < t <= 60):
+            raise InvalidArgumentError(f"remote_timeout_s must be in (0, 60], got {t!r}")
 
     def __post_init__(self) -> None:
+        self._check_tiers()
         bs = self.block_size
         if not (_is_int(bs) and 1 <= bs <= 256 and bs & (bs - 1) == 0):
             raise InvalidArgumentError(f"block_size must be a power of two in [1, 256], got {bs!r}")
@@ -246,8 +286,16 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority (smaller value first; ties by arrival)
     watermark: float = 0.01  # fraction of the blocks admission keeps free
     enable_chunked_prefill: bool = True  # split prompts over steps (vLLM's flag)
+    # KV tiers: a preempted request's KV is recomputed or swapped to the host tier; auto picks
+    # per request (recompute cost grows with its computed tokens, swap cost is bytes over the
+    # measured copy bandwidth). Without a host tier, auto means recompute.
+    preemption: str = "auto"  # auto | recompute | swap
 
     def __post_init__(self) -> None:
+        if self.preemption not in ("auto", "recompute", "swap"):
+            raise InvalidArgumentError(
+                f"preemption must be auto, recompute or swap, got {self.preemption!r}"
+            )
         for name, low in (
             ("max_num_batched_tokens", 1),
             ("max_num_seqs", 1),

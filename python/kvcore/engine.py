@@ -54,6 +54,7 @@ from kvcore.outputs import RequestOutput, SamplingParams
 from kvcore.report import EngineStats
 from kvcore.requests import Request, build_scheduler, salt_namespace, submit
 from kvcore.sampler import Sampler
+from kvcore.tiers.build import build_tier_manager, tier_scheduler_args
 
 log = logging.getLogger("kvcore")
 
@@ -109,12 +110,14 @@ class LLMEngine(StepLoop):
             raise InvalidArgumentError(f"kv_format: {e}") from None
         num_blocks = cc.resolve_num_blocks(bytes_per_block, dev, reserved)
         self.eos_token_ids = eos_ids(self.model, self.tokenizer)
+        tier_args, codec = tier_scheduler_args(cc, sc, self.model, bytes_per_block, formats)
         self.scheduler = build_scheduler(
             num_blocks,
             self.cache_config,
             self.scheduler_config,
             self.max_model_len,
             self.eos_token_ids[0] if self.eos_token_ids else None,
+            **tier_args,
         )
         try:
             self.runner = ModelRunner(
@@ -134,6 +137,12 @@ class LLMEngine(StepLoop):
             )
         except KernelConfigError as e:  # e.g. int4 on a head dim that is not a multiple of 32
             raise InvalidArgumentError(f"kv_format {cc.kv_format!r}: {e}") from None
+        self.tiers = None  # KV tiers (kvcore.tiers): L2 host, L3 disk, L4 Redis
+        if codec is not None:
+            self.tiers = build_tier_manager(
+                cc, self.runner.kv_caches, tier_args["host_blocks"], codec
+            )
+            self.runner.tier_hook = self.tiers.apply
         self.sampler = Sampler(self.vocab_size, dev, seed=seed)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
         self._requests: dict[int, Request] = {}  # internal id -> request
@@ -253,3 +262,9 @@ class LLMEngine(StepLoop):
             if unknown:
                 raise UnknownRequestError(f"unknown request id(s): {unknown}")
             return self._abort_locked(list(dict.fromkeys(self._ids[r] for r in ids)))
+
+    def tier_figures(self) -> dict[str, float]:
+        """Per-tier statistics (hit tokens per tier, bytes each way, load latency p50/p95,
+        swap-outs/ins); empty without tiers."""
+        with self._lock:
+            return {} if self.tiers is None else self.tiers.figures(self.scheduler)

@@ -36,6 +36,7 @@ class StepLoop:
     runner: Any  # kvcore.model_runner.ModelRunner
     sampler: Any  # kvcore.sampler.Sampler
     stats: Any  # kvcore.report.EngineStats
+    tiers: Any  # kvcore.tiers.TierManager or None
     _requests: dict[int, Request]
     _ids: dict[str, int]
     _unscheduled: set[int]
@@ -104,10 +105,16 @@ class StepLoop:
         forward_before = self.runner.forward_seconds
         with self._lock:
             self._drain_deferred_aborts()
+            if self.tiers is not None:  # fetched blocks into L2 before admission looks
+                self.tiers.before_schedule(self.scheduler, self.runner.forward_seconds)
             plan = self.scheduler.schedule()
             self.stats.observe_plan(plan, self.scheduler)
             if len(plan.input_ids) == 0:
+                if self.tiers is not None:
+                    self.tiers.apply(plan)  # moves and fetches of a step with no forward
                 self.scheduler.update(plan.step_id, np.zeros(0, np.int64))
+                if self.tiers is not None and self.tiers.num_fetching:
+                    time.sleep(0.0005)  # only waiting for background fetches
                 return []
             if self._unscheduled:
                 self._stamp_new(plan, start)

@@ -63,6 +63,12 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        host_kv_bytes: int = 0,
+        disk_path: str | None = None,
+        disk_bytes: int = 1 << 30,
+        remote_url: str | None = None,
+        preemption: str = "auto",
+        prefix_hash: str = "xxh3",
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         dtype: str | torch.dtype = "auto",
@@ -81,6 +87,11 @@ class LLM:
             kv_scale=kv_scale,
             kivi_window=kivi_window,
             prefix_caching=prefix_caching,
+            host_kv_bytes=host_kv_bytes,
+            disk_path=disk_path,
+            disk_bytes=disk_bytes,
+            remote_url=remote_url,
+            prefix_hash=prefix_hash,
         )
         scheduler_config = scheduler_config or SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -88,6 +99,7 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_chunked_prefill=enable_chunked_prefill,
             policy=policy,
+            preemption=preemption,
         )
         self.engine = LLMEngine(
             model,

@@ -138,6 +138,7 @@ class ModelRunner:
         self._forward_seconds = 0.0  # cumulative time inside the model's forward
         self._pending: list[tuple[Any, Any]] = []  # CUDA events not yet read
         self._pinned: torch.Tensor | None = None
+        self.tier_hook: Any = None  # kvcore.tiers.TierManager.apply: tier moves of a plan
         cuda = self.device.type == "cuda"
         if compile is None:
             compile = COMPILE_BY_DEFAULT.get(self.device.type, False)
@@ -294,6 +295,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: Any, logits_indices: np.ndarray) -> torch.Tensor:
         """Run ``plan``'s forward; returns logits [len(logits_indices), vocab] (float)."""
+        if self.tier_hook is not None:  # publish, offload L1->L2, load L2->L1 (before copy_ops)
+            self.tier_hook(plan)
         self.apply_copy_ops(np.asarray(plan.copy_ops))
         num_tokens = len(plan.input_ids)
         if num_tokens == 0:

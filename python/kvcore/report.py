@@ -228,6 +228,7 @@ def engine_figures(engine: Any, wall_s: float) -> dict[str, float]:
         "steps": st.num_steps,
         "engine_overhead_pct": 100.0 * max(0.0, wall_s - forward) / wall_s if wall_s else 0.0,
     }
+    figures.update(engine.tier_figures() if hasattr(engine, "tier_figures") else {})
     if st.overhead_at_64 is not None:
         figures["engine_overhead_at_64_running_pct"] = 100.0 * st.overhead_at_64
     return figures

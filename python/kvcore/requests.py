@@ -28,12 +28,16 @@ def build_scheduler(
     sched: SchedulerConfig,
     max_model_len: int,
     eos_token_id: int | None,
+    **tier_args: Any,
 ) -> Any:
-    """The Rust scheduler for this engine's cache and limits."""
+    """The Rust scheduler for this engine's cache and limits (``tier_args``: see
+    ``kvcore.tiers.build``)."""
     return _kvcore.Scheduler(
         num_blocks=num_blocks,
         block_size=cache.block_size,
-        prefix_mode=cache.prefix_caching,
+        prefix_mode="hash_sha256"
+        if cache.prefix_caching == "hash" and cache.prefix_hash == "sha256"
+        else cache.prefix_caching,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_num_seqs=sched.max_num_seqs,
         max_model_len=max_model_len,
@@ -42,6 +46,7 @@ def build_scheduler(
         watermark=sched.watermark,
         eos_token_id=eos_token_id,
         enable_chunked_prefill=sched.enable_chunked_prefill,
+        **tier_args,
     )
 
 

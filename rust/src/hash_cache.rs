@@ -10,6 +10,11 @@
 //! events, routing and cross-instance lookups. A namespace is part of every hash, so no hit
 //! crosses namespaces.
 //!
+//! With `with_sha256` the hash is SHA-256 over the same bytes, truncated to 128 bits (keys that
+//! are safe to share between processes and tenants). In both modes every cached block keeps its
+//! token ids and a hash match counts only when they are equal (a collision is a miss and the
+//! colliding block stays uncached), so a hash alone never reuses a block.
+//!
 //! Invariants: `map[h] == b` iff `hash[b] == Some(h)`; at most one block per hash (a second
 //! block with the same content stays uncached). Matching is at block granularity.
 //!
@@ -77,6 +82,8 @@ pub struct HashCache {
     map: FoldMap,
     hash: Vec<Option<u128>>,
     scratch: Vec<u8>,
+    tokens: Vec<u32>,
+    sha256: bool,
 }
 
 impl HashCache {
@@ -87,7 +94,42 @@ impl HashCache {
             map: FoldMap::with_capacity_and_hasher(num_blocks as usize, Default::default()),
             hash: vec![None; num_blocks as usize],
             scratch: Vec::with_capacity(24 + 4 * block_size as usize),
+            tokens: vec![0; num_blocks as usize * block_size as usize],
+            sha256: false,
         }
+    }
+
+    /// An empty cache whose chained hash is SHA-256 (truncated to 128 bits).
+    pub fn with_sha256(num_blocks: u32, block_size: u32) -> Self {
+        HashCache {
+            sha256: true,
+            ..HashCache::new(num_blocks, block_size)
+        }
+    }
+
+    /// Whether the chained hash is SHA-256.
+    pub fn is_sha256(&self) -> bool {
+        self.sha256
+    }
+
+    fn hash(&mut self, parent: u128, ns: u64, tokens: &[u32]) -> u128 {
+        if !self.sha256 {
+            return block_hash(parent, ns, tokens, &mut self.scratch);
+        }
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(parent.to_le_bytes());
+        h.update(ns.to_le_bytes());
+        for t in tokens {
+            h.update(t.to_le_bytes());
+        }
+        let d: [u8; 32] = h.finalize().into();
+        u128::from_le_bytes(d[..16].try_into().expect("16 bytes"))
+    }
+
+    fn tokens_of(&self, b: u32) -> &[u32] {
+        let bs = self.block_size;
+        &self.tokens[b as usize * bs..(b as usize + 1) * bs]
     }
 
     /// Number of cached blocks.
@@ -119,10 +161,10 @@ impl HashCache {
         let mut parent = ROOT_HASH;
         let mut n = 0;
         for chunk in tokens[..limit].chunks_exact(bs) {
-            let h = block_hash(parent, ns, chunk, &mut self.scratch);
+            let h = self.hash(parent, ns, chunk);
             match self.map.get(&h) {
-                Some(&b) => out.push(b),
-                None => break,
+                Some(&b) if self.tokens_of(b) == chunk => out.push(b),
+                _ => break,
             }
             parent = h;
             n += bs;
@@ -142,12 +184,17 @@ impl HashCache {
                 None => return InsertOutcome::ParentNotCached,
             }
         };
-        let h = block_hash(ph, ns, tokens, &mut self.scratch);
+        let h = self.hash(ph, ns, tokens);
         if let Some(&c) = self.map.get(&h) {
+            if self.tokens_of(c) != tokens {
+                return InsertOutcome::ParentNotCached; // a collision: leave this block uncached
+            }
             return InsertOutcome::Existing(c);
         }
         self.map.insert(h, b);
         self.hash[b as usize] = Some(h);
+        let bs = self.block_size;
+        self.tokens[b as usize * bs..(b as usize + 1) * bs].copy_from_slice(tokens);
         InsertOutcome::Inserted
     }
 
@@ -209,6 +256,30 @@ mod tests {
         c.evict(1);
         assert_eq!(c.match_prefix(0, &[1, 2, 3, 4], 4, &mut Vec::new()), 0);
         assert_eq!(c.num_cached(), 1);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn sha256_mode_matches_like_xxh3_and_compares_tokens() {
+        let mut c = HashCache::with_sha256(8, 2);
+        assert_eq!(
+            c.insert_block(0, NULL_BLOCK, &[1, 2], 1),
+            InsertOutcome::Inserted
+        );
+        assert_eq!(c.insert_block(0, 1, &[3, 4], 2), InsertOutcome::Inserted);
+        let mut out = Vec::new();
+        assert_eq!(c.match_prefix(0, &[1, 2, 3, 4], 4, &mut out), 4);
+        assert_eq!(out, vec![1, 2]);
+        // A forged collision (same hash, other tokens) is a miss, never a reuse.
+        let h = c.hash_of(1).unwrap();
+        c.tokens[2..4].copy_from_slice(&[9, 9]);
+        assert_eq!(c.match_prefix(0, &[1, 2], 2, &mut Vec::new()), 0);
+        assert_eq!(
+            c.insert_block(0, NULL_BLOCK, &[1, 2], 5),
+            InsertOutcome::ParentNotCached
+        );
+        assert_eq!(c.hash_of(1), Some(h));
+        assert!(c.is_sha256() && !HashCache::new(8, 2).is_sha256());
         c.check_invariants().unwrap();
     }
 

@@ -119,6 +119,8 @@ pub struct KvManager {
     /// Bumped on every eviction: a hit from an older epoch may name evicted blocks.
     epoch: u64,
     scratch: Vec<u32>,
+    /// Tiers below the pool (None: off); see `tiers`.
+    tiers: Option<Box<crate::tiers::Tiers>>,
 }
 
 impl KvManager {
@@ -147,6 +149,7 @@ impl KvManager {
             stats: CacheStats::default(),
             epoch: 0,
             scratch: Vec::new(),
+            tiers: None,
         })
     }
 
@@ -422,11 +425,13 @@ impl KvManager {
             self.stats.evictions += 1;
             self.scratch.clear();
             let mut dropped = std::mem::take(&mut self.scratch);
+            self.tier_uncached(b, true); // write-back to L2 (an op applied before the forward)
             self.cache.evict(b, &mut dropped);
             // Rare (see radix_cache): a canonical order keeps the free queue deterministic.
             dropped.sort_unstable();
             for &x in &dropped {
                 self.pool.set_cached(x, false);
+                self.tier_uncached(x, false);
             }
             self.scratch = dropped;
         }
@@ -456,7 +461,13 @@ impl KvManager {
                     b,
                     n_full - i - 1,
                 ) {
-                    InsertOutcome::Inserted => self.pool.set_cached(b, true),
+                    InsertOutcome::Inserted => {
+                        self.pool.set_cached(b, true);
+                        if let Some(tiers) = self.tiers.as_mut() {
+                            let parent = (i > 0).then(|| t.blocks[i - 1]);
+                            tiers.cache_block(b, parent, t.ns, &tokens[..(i + 1) * bs]);
+                        }
+                    }
                     InsertOutcome::Existing(c) if self.pool.ref_count(b) == 1 => {
                         // Switch to the cached twin; our copy goes back to the free queue.
                         self.pool.incref(c);
@@ -474,6 +485,10 @@ impl KvManager {
 
 #[path = "kv_manager_inspect.rs"]
 mod inspect;
+
+#[path = "tiers/manager.rs"]
+mod tier_manager;
+pub use tier_manager::TieredHit;
 
 #[cfg(test)]
 #[path = "kv_manager_tests.rs"]

@@ -18,6 +18,7 @@ pub mod prefix_cache;
 pub mod radix_cache;
 pub mod request;
 pub mod sched;
+pub mod tiers;
 
 #[cfg(feature = "python")]
 mod py;

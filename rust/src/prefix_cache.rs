@@ -17,19 +17,22 @@ pub enum PrefixMode {
     Off,
     /// Radix tree over token ids (token-granularity hits).
     Radix,
-    /// Chained 128-bit block hashes (block-granularity hits, vLLM-compatible keys).
+    /// Chained 128-bit block hashes (block-granularity hits, vLLM-compatible keys), xxh3-128.
     Hash,
+    /// Chained block hashes with SHA-256 (truncated to 128 bits): collision-resistant keys.
+    HashSha256,
 }
 
 impl PrefixMode {
-    /// Parses "off", "radix" or "hash".
+    /// Parses "off", "radix", "hash" (xxh3) or "hash_sha256".
     pub fn parse(s: &str) -> KvResult<Self> {
         match s {
             "off" | "none" => Ok(PrefixMode::Off),
             "radix" => Ok(PrefixMode::Radix),
             "hash" => Ok(PrefixMode::Hash),
+            "hash_sha256" => Ok(PrefixMode::HashSha256),
             _ => Err(KvError::InvalidArgument(format!(
-                "prefix mode must be 'off', 'radix' or 'hash', got {s:?}"
+                "prefix mode must be 'off', 'radix', 'hash' or 'hash_sha256', got {s:?}"
             ))),
         }
     }
@@ -40,6 +43,7 @@ impl PrefixMode {
             PrefixMode::Off => "off",
             PrefixMode::Radix => "radix",
             PrefixMode::Hash => "hash",
+            PrefixMode::HashSha256 => "hash_sha256",
         }
     }
 }
@@ -62,6 +66,9 @@ impl PrefixCache {
             PrefixMode::Off => PrefixCache::Off,
             PrefixMode::Radix => PrefixCache::Radix(RadixCache::new(num_blocks, block_size)),
             PrefixMode::Hash => PrefixCache::Hash(HashCache::new(num_blocks, block_size)),
+            PrefixMode::HashSha256 => {
+                PrefixCache::Hash(HashCache::with_sha256(num_blocks, block_size))
+            }
         }
     }
 
@@ -70,6 +77,7 @@ impl PrefixCache {
         match self {
             PrefixCache::Off => PrefixMode::Off,
             PrefixCache::Radix(_) => PrefixMode::Radix,
+            PrefixCache::Hash(c) if c.is_sha256() => PrefixMode::HashSha256,
             PrefixCache::Hash(_) => PrefixMode::Hash,
         }
     }

@@ -17,6 +17,7 @@ mod manager_args;
 mod sched_args;
 mod scheduler;
 mod step_output;
+mod tiers;
 
 #[pymodule]
 fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -23,6 +23,8 @@ use crate::prefix_cache::PrefixMode;
 use crate::request::NewRequest;
 use crate::sched::{Policy, Scheduler, SchedulerConfig};
 
+type I64Array = Py<numpy::PyArray1<i64>>;
+
 /// The continuous-batching scheduler (documented in `_kvcore.pyi`).
 #[pyclass(name = "Scheduler", module = "kvcore._kvcore", frozen)]
 pub struct PyScheduler {
@@ -64,12 +66,15 @@ impl PyScheduler {
         signature = (
             num_blocks, block_size=None, max_num_batched_tokens=None, max_num_seqs=None,
             max_model_len=None, prefix_mode=None, policy=None, long_prefill_token_threshold=None,
-            watermark=None, eos_token_id=None, enable_chunked_prefill=None
+            watermark=None, eos_token_id=None, enable_chunked_prefill=None, host_blocks=None,
+            tier_fetch=None, tier_publish=None, tier_root=None, bytes_per_block=None,
+            preemption=None
         ),
         text_signature = "(num_blocks, block_size=16, max_num_batched_tokens=8192, \
             max_num_seqs=256, max_model_len=8192, prefix_mode='radix', policy='fcfs', \
             long_prefill_token_threshold=0, watermark=0.01, eos_token_id=None, \
-            enable_chunked_prefill=True)"
+            enable_chunked_prefill=True, host_blocks=0, tier_fetch=False, tier_publish=False, \
+            tier_root=None, bytes_per_block=1, preemption='recompute')"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -84,6 +89,12 @@ impl PyScheduler {
         watermark: Option<&Bound<'_, PyAny>>,
         eos_token_id: Option<&Bound<'_, PyAny>>,
         enable_chunked_prefill: Option<&Bound<'_, PyAny>>,
+        host_blocks: Option<&Bound<'_, PyAny>>,
+        tier_fetch: Option<&Bound<'_, PyAny>>,
+        tier_publish: Option<&Bound<'_, PyAny>>,
+        tier_root: Option<&Bound<'_, PyAny>>,
+        bytes_per_block: Option<&Bound<'_, PyAny>>,
+        preemption: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
             u32_arg(Some(num_blocks), 0, "num_blocks")?,
@@ -117,6 +128,21 @@ impl PyScheduler {
         cfg.eos_token_id = or_default(eos_token_id, None, |o| {
             count(o, "eos_token_id", i64::from(u32::MAX)).map(Some)
         })?;
+        let root = match tier_root.filter(|o| !o.is_none()) {
+            None => None,
+            Some(o) => Some(
+                o.extract::<Vec<u8>>()
+                    .map_err(|_| invalid("tier_root must be bytes (32 of them)".into()))?,
+            ),
+        };
+        cfg.tiers = super::tiers::tier_config(
+            or_default(host_blocks, 0i64, |o| count::<i64>(o, "host_blocks", i64::from(u32::MAX)))?,
+            or_default(tier_fetch, false, |o| flag(o, "tier_fetch"))?,
+            or_default(tier_publish, false, |o| flag(o, "tier_publish"))?,
+            root,
+            or_default(bytes_per_block, 1i64, |o| count::<i64>(o, "bytes_per_block", i64::MAX))?,
+            &or_default(preemption, "recompute".into(), |o| text(o, "preemption"))?,
+        )?;
         let inner = Scheduler::new(cfg.clone())?;
         Ok(PyScheduler {
             inner: Shared::new(inner),
@@ -251,7 +277,7 @@ impl PyScheduler {
 
     fn schedule(&self, py: Python<'_>) -> PyResult<PyStepPlan> {
         let plan = self.inner.detached(py, |s| s.schedule())??;
-        PyStepPlan::new(py, plan)
+        PyStepPlan::new(py, plan, self.cfg.block_size as usize)
     }
 
     fn update(
@@ -268,6 +294,59 @@ impl PyScheduler {
 
     fn stats(&self, py: Python<'_>) -> PyResult<PySchedulerStats> {
         Ok(self.inner.with(py, |s| s.stats())?.into())
+    }
+
+    /// Reports finished fetches (see `_kvcore.pyi`).
+    fn tier_fetched(
+        &self,
+        py: Python<'_>,
+        kv_ids: &Bound<'_, PyAny>,
+        counts: &Bound<'_, PyAny>,
+    ) -> PyResult<(I64Array, I64Array)> {
+        let ids: Vec<u64> = conv_all(&ints(kv_ids, "kv_ids")?, "kv_ids")?;
+        let n: Vec<usize> = conv_all(&ints(counts, "counts")?, "counts")?;
+        let (offsets, slots) = self.inner.with(py, |s| s.tier_fetched(&ids, &n))??;
+        let conv64 = |v: Vec<u32>| {
+            v.into_iter()
+                .map(|x| if x == u32::MAX { -1 } else { i64::from(x) })
+        };
+        Ok((
+            numpy::PyArray1::from_iter(py, conv64(offsets)).unbind(),
+            numpy::PyArray1::from_iter(py, conv64(slots)).unbind(),
+        ))
+    }
+
+    /// Sets the swap cost model's measured rates (see `_kvcore.pyi`).
+    fn set_tier_costs(
+        &self,
+        py: Python<'_>,
+        copy_bytes_per_s: &Bound<'_, PyAny>,
+        seconds_per_token: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let bw = real(copy_bytes_per_s, "copy_bytes_per_s")?;
+        let spt = real(seconds_per_token, "seconds_per_token")?;
+        self.inner.with(py, |s| s.set_tier_costs(bw, spt))
+    }
+
+    /// Tier counters (see `_kvcore.pyi`).
+    fn tier_stats(&self, py: Python<'_>) -> PyResult<std::collections::HashMap<&'static str, u64>> {
+        self.inner.with(py, |sched| {
+            let s = sched.tier_stats();
+            std::collections::HashMap::from([
+                ("l1_hit_tokens", s.l1_hit_tokens),
+                ("l2_hit_tokens", s.l2_hit_tokens),
+                ("offloaded_blocks", s.offloaded_blocks),
+                ("offload_dropped", s.offload_dropped),
+                ("loaded_blocks", s.loaded_blocks),
+                ("swap_outs", s.swap_outs),
+                ("swap_ins", s.swap_ins),
+                ("published_blocks", s.published_blocks),
+                ("fetch_requests", s.fetch_requests),
+                ("fetched_blocks", s.fetched_blocks),
+                ("host_evictions", s.host_evictions),
+                ("num_fetching", sched.num_fetching() as u64),
+            ])
+        })
     }
 
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
@@ -360,6 +439,7 @@ impl PyScheduler {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyStepPlan>()?;
+    m.add_class::<super::tiers::PyTierPlan>()?;
     m.add_class::<PyStepOutput>()?;
     m.add_class::<PySchedulerStats>()?;
     Ok(())

@@ -45,6 +45,9 @@ pub struct PyStepPlan {
     seq_lens: Py<PyArray1<i32>>,
     block_table: Py<PyArray2<i32>>,
     copy_ops: Py<PyArray2<i32>>,
+    tier_offload: Py<PyArray2<i32>>,
+    tier_load: Py<PyArray2<i32>>,
+    tier_io: Py<super::tiers::PyTierPlan>,
     logits_indices: Py<PyArray1<i64>>,
     sample_rows: Py<PyArray1<i32>>,
     sample_req_ids: Py<PyArray1<i64>>,
@@ -53,7 +56,7 @@ pub struct PyStepPlan {
 
 impl PyStepPlan {
     /// Moves the plan's vectors into NumPy arrays.
-    pub(crate) fn new(py: Python<'_>, p: StepPlan) -> PyResult<Self> {
+    pub(crate) fn new(py: Python<'_>, p: StepPlan, block_size: usize) -> PyResult<Self> {
         let (num_reqs, num_ops) = (p.num_reqs(), p.copy_ops.len() / 2);
         Ok(PyStepPlan {
             step_id: p.step_id,
@@ -66,6 +69,9 @@ impl PyStepPlan {
             max_seq_len: p.max_seq_len,
             block_table: arr2(py, p.block_table, num_reqs, p.max_blocks)?,
             copy_ops: arr2(py, p.copy_ops, num_ops, 2)?,
+            tier_offload: super::tiers::pairs(py, &p.tiers.offload)?,
+            tier_load: super::tiers::pairs(py, &p.tiers.load)?,
+            tier_io: Py::new(py, super::tiers::PyTierPlan::new(py, p.tiers, block_size)?)?,
             req_ids: arr1(py, p.req_ids),
             seq_index: arr1(py, p.seq_index),
             input_ids: arr1(py, p.input_ids),

@@ -42,6 +42,8 @@ pub struct SchedulerConfig {
     pub watermark: f64,
     /// End-of-sequence token id, if the model has one.
     pub eos_token_id: Option<u32>,
+    /// Tiers below the pool (L2 host slots, L3/L4 fetches, swap preemption); None: off.
+    pub tiers: Option<crate::tiers::TierConfig>,
 }
 
 impl SchedulerConfig {
@@ -60,6 +62,7 @@ impl SchedulerConfig {
             enable_chunked_prefill: true,
             watermark: 0.01,
             eos_token_id: None,
+            tiers: None,
         }
     }
 

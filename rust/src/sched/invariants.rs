@@ -18,6 +18,9 @@ impl Scheduler {
     pub fn check_invariants(&self) -> KvResult<()> {
         let fail = |m: String| Err(KvError::Invariant(m));
         self.kv.check_invariants()?;
+        if let Some(t) = self.kv.tiers() {
+            t.check_invariants()?;
+        }
         let live = self.seqs.iter().filter(|s| s.is_some()).count();
         if live != self.running.len() + self.waiting.len() {
             return fail(format!(

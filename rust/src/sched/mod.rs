@@ -32,6 +32,8 @@ mod proptests;
 mod step;
 #[cfg(test)]
 mod tests;
+#[path = "../tiers/sched.rs"]
+mod tier_sched;
 mod update;
 
 use std::collections::{BTreeMap, HashMap};
@@ -124,11 +126,14 @@ impl Scheduler {
     /// A scheduler over a fresh KV manager; `Err(InvalidArgument)` for a bad configuration.
     pub fn new(cfg: SchedulerConfig) -> KvResult<Self> {
         cfg.validate()?;
-        let kv = KvManager::new(KvManagerConfig {
+        let mut kv = KvManager::new(KvManagerConfig {
             num_blocks: cfg.num_blocks,
             block_size: cfg.block_size,
             prefix_mode: cfg.prefix_mode,
         })?;
+        if let Some(t) = &cfg.tiers {
+            kv.enable_tiers(t.clone());
+        }
         Ok(Scheduler {
             watermark_blocks: cfg.watermark_blocks(),
             cfg,
@@ -320,6 +325,7 @@ impl Scheduler {
                     .take()
                     .expect("request entry lists live sequences");
                 self.free_slots.push(idx);
+                self.kv.tier_forget(seq.kv_id);
                 match seq.status {
                     SeqStatus::Waiting => {
                         self.waiting.remove(&seq.key);

@@ -15,9 +15,11 @@
 //! whose prompt completes this step (its samples are indices `0..n` of the request).
 //! Cost: O(rows + tokens + rows * max_blocks).
 
+use std::ops::Bound::{Excluded, Unbounded};
+
 use super::{Outstanding, Scheduler};
 use crate::error::{KvError, KvResult};
-use crate::request::SeqStatus;
+use crate::request::{SeqKey, SeqStatus};
 
 /// One step's work as flat arrays, typed as the NumPy arrays they become.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -60,6 +62,8 @@ pub struct StepPlan {
     pub max_query_len: usize,
     /// Longest `seq_lens` entry.
     pub max_seq_len: usize,
+    /// Tier moves to apply before the forward (publish, offload, load) and fetches to start.
+    pub tiers: crate::tiers::TierOps,
 }
 
 impl StepPlan {
@@ -172,6 +176,8 @@ impl Scheduler {
     /// Frees a running sequence's blocks (full computed ones stay cached) and queues it again.
     fn preempt(&mut self, idx: usize) -> KvResult<()> {
         let seq = self.seqs[idx].as_ref().expect("running sequence is live");
+        // Swap preemption (when tiers and the cost model say so) copies the blocks to L2 first.
+        self.kv.swap_out(seq.kv_id, seq.num_computed);
         let tokens = self.cache_tokens(&seq.tokens[..seq.num_computed]);
         self.kv.free(seq.kv_id, tokens)?;
         let seq = self.seqs[idx].as_mut().expect("running sequence is live");
@@ -190,8 +196,14 @@ impl Scheduler {
     fn admit_waiting(&mut self, budget: &mut usize) -> KvResult<Vec<(usize, usize)>> {
         let mut admitted = Vec::new();
         let max_slots = self.cfg.max_num_seqs as usize;
+        // Sequences waiting for a tier fetch are passed over (`cursor`), not waited for.
+        let mut cursor: Option<SeqKey> = None;
         while *budget > 0 {
-            let Some((&key, &idx)) = self.waiting.first_key_value() else {
+            let next = match cursor {
+                None => self.waiting.first_key_value(),
+                Some(c) => self.waiting.range((Excluded(c), Unbounded)).next(),
+            };
+            let Some((&key, &idx)) = next else {
                 break;
             };
             let seq = self.seqs[idx].as_ref().expect("waiting sequence is live");
@@ -200,15 +212,24 @@ impl Scheduler {
             }
             // The last token is always computed so that its logits can be sampled. A head
             // that cannot be admitted is looked up again next step: count it once, admitted.
-            let hit = self
+            let hit =
+                self.kv
+                    .lookup_tiered(seq.kv_id, seq.namespace, &seq.tokens, seq.tokens.len() - 1);
+            if self
                 .kv
-                .lookup_prefix(seq.namespace, &seq.tokens, seq.tokens.len() - 1);
+                .want_fetch(seq.kv_id, seq.namespace, &seq.tokens, &hit)
+            {
+                self.kv.release_hit(&hit);
+                cursor = Some(key);
+                continue;
+            }
             let computed = hit.num_tokens;
             let num_new = self.chunk(seq.tokens.len() - computed, *budget);
             if num_new == 0 {
+                self.kv.release_hit(&hit);
                 break; // without chunked prefill the head's prompt waits for a roomier step
             }
-            if !self.kv.admit(
+            if !self.kv.admit_tiered(
                 seq.kv_id,
                 seq.namespace,
                 &seq.tokens,
@@ -222,7 +243,8 @@ impl Scheduler {
             self.waiting.remove(&key);
             let seq = self.seqs[idx].as_mut().expect("waiting sequence is live");
             seq.num_computed = computed;
-            seq.num_cached_blocks = computed / self.cfg.block_size as usize;
+            // Blocks loaded from L2 enter the prefix cache after the step that loads them.
+            seq.num_cached_blocks = hit.l1.num_tokens / self.cfg.block_size as usize;
             seq.status = SeqStatus::Running;
             self.running_slots += seq.slots();
             *budget -= num_new;
@@ -322,6 +344,7 @@ impl Scheduler {
             .flat_map(|op| [op[0] as i32, op[1] as i32])
             .collect();
         self.scratch_copy = ops;
+        self.kv.drain_tier_ops(&mut p.tiers);
         self.outstanding = Some(Outstanding {
             step_id: p.step_id,
             rows: out_rows,

@@ -149,6 +149,7 @@ impl Scheduler {
         out: &mut Vec<FinishedSeq>,
     ) -> KvResult<()> {
         let seq = self.seqs[idx].take().expect("live");
+        self.kv.tier_forget(seq.kv_id);
         self.kv.free(
             seq.kv_id,
             self.cache_tokens(&seq.tokens[..seq.num_computed]),

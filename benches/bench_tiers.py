@@ -1,0 +1,264 @@
+"""KV tiers benchmark (issue 10): a multi-turn chat workload whose working set is several times
+the device pool, served with an unbounded pool, the pool alone, L2, L2+L3, and L4 from a cold
+second process. Prints ``name: value unit`` lines.
+
+Workload (seeded): ``--conversations`` (48) conversations of ``--turns`` (5) turns over 3 shared
+system prompts of 500-1,000 tokens; each turn adds 100-300 user tokens to the history and the
+model answers ``--output`` (8) greedy tokens that join the history. Turns are served in waves
+(turn t of every conversation at once, in a seeded shuffled order), so the conversations'
+histories compete for the pool. ``--scale`` multiplies every length (1.0 = the issue's sizes;
+CPU runs use a smaller scale, and say so in the ``scale`` line).
+
+Sizes: the working set is the KV of every conversation's final history (shared system prompts
+once); the pool holds ``working_set / --pool-ratio`` (4.5) tokens; L2 holds the whole working set;
+the L2+L3 run gets half of that in L2 and the rest on disk. The second process replays every
+conversation's final turn cold (empty L1 and L2) against the Redis the first L4 run filled.
+
+Lines: hit rates (prefix hit tokens / prompt tokens) per configuration, ``tiered_over_unbounded``,
+TTFT p50 of the pool alone and with L2, their ratio, ``remote_hit_fraction_second_process``
+(prompt tokens of the second process fetched from L4 / its prompt tokens), ``load_bw_fraction``
+(L2->L1 load bandwidth / a plain torch copy of the same bytes, measured in this run), and
+``outputs_equal`` (1 when every configuration's greedy tokens are identical).
+
+    python benches/bench_tiers.py --seed 0 [--model tiny|smollm2] [--remote redis://...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MODELS = {"tiny": "tiny-llama", "smollm2": "smollm2-135m"}
+
+
+def make_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
+    """(system prompts, per-conversation user turns: a list of token lists)."""
+    rng = np.random.default_rng(args.seed)
+    s = args.scale
+    systems = [
+        rng.integers(100, 30000, int(rng.integers(500, 1001) * s)).tolist() for _ in range(3)
+    ]
+    convs = []
+    for _ in range(args.conversations):
+        turns = [
+            rng.integers(100, 30000, max(1, int(rng.integers(100, 301) * s))).tolist()
+            for _ in range(args.turns)
+        ]
+        convs.append(turns)
+    return systems, convs
+
+
+def serve(args, systems, convs, llm_kwargs, only_last=False):
+    """Serve every turn in waves; returns (outputs per (conv, turn), ttfts, prompt tokens, llm)."""
+    from kvcore import LLM, SamplingParams
+
+    llm = LLM(MODELS[args.model], block_size=args.block_size, max_num_seqs=16, **llm_kwargs)
+    params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(args.seed + 1)
+    history = [list(systems[c % len(systems)]) for c in range(len(convs))]
+    outputs: dict[tuple[int, int], list[int]] = {}
+    ttft, prompt_tokens = [], 0
+    for t in range(args.turns):
+        order = rng.permutation(len(convs)).tolist()
+        prompts = []
+        for c in order:
+            history[c] += convs[c][t]
+            prompts.append(list(history[c]))
+        if only_last and t < args.turns - 1:
+            for c in order:  # replay of process 1's answers (identical greedy tokens)
+                history[c] += args.reference[(c, t)]
+            continue
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for c, p, o in zip(order, prompts, outs, strict=True):
+            toks = list(o.outputs[0].token_ids)
+            outputs[(c, t)] = toks
+            history[c] += toks
+            prompt_tokens += len(p)
+            if o.metrics.time_to_first_token is not None:
+                ttft.append(o.metrics.time_to_first_token)
+    return outputs, ttft, prompt_tokens, llm
+
+
+def hit_rate(llm) -> float:
+    st = llm.engine.scheduler.stats()
+    return st.prefix_hit_tokens / max(1, st.prefix_query_tokens)
+
+
+def plain_copy_bw(nbytes: int, repeats: int = 20) -> float:
+    """Bytes/s of a plain torch copy of ``nbytes`` host bytes into a pool-sized tensor."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    return nbytes * repeats / (time.perf_counter() - start)
+
+
+def start_redis(workdir: str):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return None, None
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tier_fixtures import RedisServer
+
+    server = RedisServer(binary, workdir)
+    server.start()
+    return server, server.url
+
+
+SECOND = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import bench_tiers as b
+args = b.parse(json.loads(sys.argv[1]))
+args.reference = {tuple(map(int, k.split(","))): v for k, v in json.loads(sys.argv[3]).items()}
+systems, convs = b.make_workload(args)
+out, _, prompt_tokens, llm = b.serve(args, systems, convs, json.loads(sys.argv[4]), only_last=True)
+fig = llm.engine.tier_figures()
+print(json.dumps({"outputs": {f"{c},{t}": v for (c, t), v in out.items()},
+                  "prompt_tokens": prompt_tokens, "l4": fig["tier_l4_fetched_tokens"],
+                  "hit_rate": b.hit_rate(llm)}))
+"""
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--remote", default=None, help="redis://... (default: start a local one)")
+    ap.add_argument("--conversations", type=int, default=48)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--output", type=int, default=8)
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--pool-ratio", type=float, default=4.5)
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
+    torch.manual_seed(args.seed)
+    systems, convs = make_workload(args)
+    bs = args.block_size
+    final = [
+        sum(len(t) + args.output for t in turns) + len(systems[c % 3])
+        for c, turns in enumerate(convs)
+    ]
+    shared = sum(len(s) for s in systems)
+    working = sum(final) - shared * (len(convs) // 3 - 1)  # system prompts counted once
+    longest = max(final)
+    pool_blocks = max(int(working / args.pool_ratio) // bs, 3 * (longest // bs + 2)) + 2
+    from kvcore import LLM
+
+    probe = LLM(MODELS[args.model], num_blocks=4, block_size=bs)
+    block_bytes = probe.engine.runner.kv_cache_bytes // 4
+    del probe
+    ws_bytes = (working // bs + len(convs)) * block_bytes
+    print(f"scale: {args.scale} x")
+    print(f"working_set_tokens: {working} tok")
+    print(f"pool_tokens: {pool_blocks * bs} tok")
+    print(f"working_set_over_pool: {working / (pool_blocks * bs):.2f} x")
+    tmp = tempfile.mkdtemp(prefix="kvcore-bench-tiers-")
+    server, url = (None, args.remote) if args.remote else start_redis(tmp)
+    configs = {
+        "unbounded": {"num_blocks": 4 * (working // bs) + 64},
+        "pool_only": {"num_blocks": pool_blocks},
+        "tiered": {"num_blocks": pool_blocks, "host_kv_bytes": ws_bytes},
+        "l2_l3": {
+            "num_blocks": pool_blocks,
+            "host_kv_bytes": ws_bytes // 2,
+            "disk_path": str(Path(tmp) / "disk"),
+            "disk_bytes": 4 * ws_bytes,
+        },
+    }
+    if url:
+        configs["l4_first"] = {
+            "num_blocks": pool_blocks,
+            "host_kv_bytes": ws_bytes,
+            "remote_url": url,
+        }
+    results = {}
+    try:
+        for name, kw in configs.items():
+            start = time.perf_counter()
+            out, ttft, prompt_tokens, llm = serve(args, systems, convs, kw)
+            if llm.engine.tiers is not None:
+                llm.engine.tiers.close()
+            results[name] = (out, ttft, llm)
+            wall = time.perf_counter() - start
+            print(f"hit_rate_{name}: {hit_rate(llm):.4f} frac")
+            print(f"ttft_p50_ms_{name}: {np.percentile(ttft, 50) * 1e3:.1f} ms")
+            print(f"wall_s_{name}: {wall:.1f} s")
+            for k, v in llm.engine.tier_figures().items():
+                if k in ("tier_l2_hit_tokens", "tier_l3_fetched_tokens", "tier_swap_outs"):
+                    print(f"{name}_{k}: {v} tok" if "tokens" in k else f"{name}_{k}: {v}")
+        ref = results["unbounded"][0]
+        equal = all(r[0] == ref for r in results.values())
+        second = None
+        if url:
+            kw = {"num_blocks": pool_blocks, "host_kv_bytes": ws_bytes, "remote_url": url}
+            argv = sys.argv[1:]
+            refs = json.dumps({f"{c},{t}": v for (c, t), v in ref.items()})
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    SECOND,
+                    json.dumps(argv),
+                    str(Path(__file__).parent),
+                    refs,
+                    json.dumps(kw),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            second = json.loads(done.stdout.strip().splitlines()[-1])
+            for k, v in second["outputs"].items():
+                c, t = map(int, k.split(","))
+                equal &= v == ref[(c, t)]
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    unb, pool, tier = (hit_rate(results[k][2]) for k in ("unbounded", "pool_only", "tiered"))
+    print(f"hit_rate_unbounded: {unb:.4f} frac")
+    print(f"hit_rate_pool_only: {pool:.4f} frac")
+    print(f"hit_rate_tiered: {tier:.4f} frac")
+    print(f"tiered_over_unbounded: {tier / unb:.4f} x  (target >= 0.90)")
+    p_pool = np.percentile(results["pool_only"][1], 50) * 1e3
+    p_tier = np.percentile(results["tiered"][1], 50) * 1e3
+    print(f"ttft_p50_ms_pool_only: {p_pool:.1f} ms")
+    print(f"ttft_p50_ms_tiered: {p_tier:.1f} ms")
+    print(f"ttft_speedup: {p_pool / p_tier:.2f} x  (target >= 2)")
+    if second is not None:
+        frac = second["l4"] / max(1, second["prompt_tokens"])
+        print(f"remote_hit_fraction_second_process: {frac:.4f} frac  (target >= 0.80)")
+        print(f"hit_rate_second_process: {second['hit_rate']:.4f} frac")
+    else:
+        print("remote_hit_fraction_second_process: nan frac  (no redis-server)")
+    tiers = results["tiered"][2].engine.tiers
+    if tiers.load_seconds > 0:
+        ours = tiers.bytes_loaded / tiers.load_seconds
+        per_load = max(block_bytes, tiers.bytes_loaded // max(1, len(tiers.load_latency_s)))
+        plain = plain_copy_bw(per_load)
+        print(f"load_bw_gbps: {ours / 1e9:.3f} GB/s")
+        print(f"plain_copy_bw_gbps: {plain / 1e9:.3f} GB/s")
+        print(f"load_bw_fraction: {ours / plain:.4f} frac  (target >= 0.50)")
+    else:
+        print("load_bw_fraction: nan frac  (no L2 load)")
+    print(f"outputs_equal: {int(equal)} bool")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""KV tiers below the block pool: L2 host memory, L3 local disk, L4 a shared Redis.
+
+The Rust core decides every move (see ``rust/src/tiers/mod.rs``); this package moves bytes:
+
+- ``TierManager.apply(plan)`` (the model runner calls it before ``copy_ops``): publish reads
+  (newly computed L1 blocks, written through to L3 and L4 in the background), offloads
+  (L1 -> L2 slots), loads (L2 -> L1), then starts the plan's fetches.
+- ``TierManager.before_schedule(scheduler)`` (the engine calls it before each ``schedule()``):
+  collects finished or timed-out fetches, hands them to ``Scheduler.tier_fetched`` and writes
+  the arrived blocks into the L2 slots it returns; updates the swap cost model's measurements.
+
+A block's bytes are its row in every layer's cache, in the cache's own storage format: the
+plain ``[num_blocks, 2, block_size, heads, dim]`` tensor viewed as bytes, or a quantized
+cache's ``buffer`` rows (codes and scales together). L2 is a ``[host_blocks, row_bytes]``
+uint8 tensor per layer (pinned when the cache is on CUDA).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from kvcore_kernels.quant import QuantKVCache
+
+from kvcore.errors import InvalidArgumentError
+from kvcore.tiers.codec import BlockCodec
+from kvcore.tiers.stores import DiskStore, RedisStore
+
+__all__ = ["BlockCodec", "DiskStore", "RedisStore", "TierManager", "model_fingerprint"]
+
+
+def model_fingerprint(model: Any) -> str:
+    """A digest of a model's config, dtype and a sample of every parameter (so two random
+    models with the same config but different seeds differ)."""
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    h.update(str(model.dtype).encode())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().flatten()[:256].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def layer_rows(cache: Any) -> torch.Tensor:
+    """One layer's cache as ``[num_blocks, row_bytes]`` uint8 rows (a view, no copy)."""
+    if isinstance(cache, QuantKVCache):
+        if cache.residual_state is not None:
+            raise InvalidArgumentError("KV tiers do not support KIVI formats (residual pools)")
+        return cache.buffer
+    return cache.view(cache.shape[0], -1).view(torch.uint8)
+
+
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` viewed with the widest integer dtype that divides a row: indexed copies of
+    int64 rows run several times faster than of uint8 rows on the CPU."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4)):
+        if rows.shape[1] % size == 0 and rows.is_contiguous():
+            return rows.view(dtype)
+    return rows
+
+
+def percentile_ms(values: list[float], q: float) -> float:
+    """The ``q`` percentile of ``values`` (seconds) in ms; nan when empty."""
+    return float(np.percentile(values, q) * 1e3) if values else float("nan")
+
+
+class TierManager:
+    """Moves KV bytes between the pool, host memory, disk and Redis as the StepPlan says."""
+
+    def __init__(
+        self,
+        kv_caches: list[Any],
+        host_blocks: int,
+        codec: BlockCodec,
+        *,
+        disk: DiskStore | None = None,
+        remote: RedisStore | None = None,
+        fetch_timeout_s: float = 5.0,
+        io_threads: int = 4,
+    ):
+        self.layers = [_wide(layer_rows(c)) for c in kv_caches]
+        self.device = self.layers[0].device
+        self.bounds = np.cumsum([0] + [r.view(torch.uint8).shape[1] for r in self.layers]).tolist()
+        self.block_bytes = int(self.bounds[-1])
+        pin = self.device.type == "cuda"
+        # L2: one [host_blocks, row_bytes] tensor per layer (contiguous rows per copy).
+        self.host = [
+            torch.zeros((host_blocks, r.shape[1]), dtype=r.dtype, pin_memory=pin)
+            for r in self.layers
+        ]
+        self.codec, self.disk, self.remote = codec, disk, remote
+        self.fetch_timeout_s = fetch_timeout_s
+        self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcore-tier")
+        self._fetches: dict[int, tuple[Future, float, np.ndarray, np.ndarray]] = {}
+        self.bytes_offloaded = self.bytes_loaded = self.bytes_published = 0
+        self.load_seconds = 0.0
+        self.load_latency_s: list[float] = []  # per step that loads from L2
+        self.fetch_latency_s: list[float] = []  # per fetch from L3/L4
+        self.tier_hit_tokens = {3: 0, 4: 0}
+        self.tokens_computed = 0
+        self.forward_seconds = 0.0
+
+    # ---- moves in a step --------------------------------------------------------------
+
+    def gather(self, blocks: np.ndarray) -> torch.Tensor:
+        """``[n, block_bytes]`` host bytes of L1 blocks (every layer's row, in layer order)."""
+        idx = torch.as_tensor(np.asarray(blocks, np.int64), device=self.device)
+        parts = [rows.index_select(0, idx).cpu().view(torch.uint8) for rows in self.layers]
+        return torch.cat(parts, dim=1)
+
+    def apply(self, plan: Any) -> None:
+        """The plan's tier moves, in order: publish reads, offloads, loads; then its fetches."""
+        io = plan.tier_io
+        self.tokens_computed += int(plan.num_tokens)
+        if len(io.publish):  # write-through of newly computed blocks to L3 and L4
+            data = self.gather(io.publish).numpy()
+            self.bytes_published += data.nbytes
+            keys, toks = io.publish_keys.copy(), io.publish_tokens.copy()
+            self.io.submit(self._publish, keys, toks, data)
+        off = plan.tier_offload
+        if len(off):
+            src = torch.as_tensor(off[:, 0].astype(np.int64), device=self.device)
+            dst = torch.as_tensor(off[:, 1].astype(np.int64))
+            for rows, host in zip(self.layers, self.host, strict=True):
+                host.index_copy_(0, dst, rows.index_select(0, src).cpu())
+            self.bytes_offloaded += len(off) * self.block_bytes
+        load = plan.tier_load
+        if len(load):
+            start = time.perf_counter()
+            src = torch.as_tensor(load[:, 0].astype(np.int64))
+            dst = torch.as_tensor(load[:, 1].astype(np.int64), device=self.device)
+            for rows, host in zip(self.layers, self.host, strict=True):
+                rows.index_copy_(
+                    0, dst, host.index_select(0, src).to(self.device, non_blocking=True)
+                )
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            dt = time.perf_counter() - start
+            self.load_seconds += dt
+            self.load_latency_s.append(dt)
+            self.bytes_loaded += len(load) * self.block_bytes
+        offsets = io.fetch_offsets
+        for i, kv_id in enumerate(io.fetch_seqs.tolist()):
+            keys = io.fetch_keys[offsets[i] : offsets[i + 1]].copy()
+            toks = io.fetch_tokens[offsets[i] : offsets[i + 1]].copy()
+            fut = self.io.submit(self._fetch, keys, toks)
+            self._fetches[kv_id] = (fut, time.perf_counter(), keys, toks)
+
+    def _publish(self, keys: np.ndarray, toks: np.ndarray, rows: np.ndarray) -> None:
+        items = [
+            (k.tobytes().hex(), self.codec.encode(k.tobytes(), t, row.tobytes()))
+            for k, t, row in zip(keys, toks, rows, strict=True)
+        ]
+        if self.disk is not None:
+            for name, value in items:
+                self.disk.put(name, value)
+        if self.remote is not None:
+            self.remote.put_many(items)
+
+    def _fetch(self, keys: np.ndarray, toks: np.ndarray) -> list[tuple[bytes, int]]:
+        """Leading blocks of ``keys`` found in L3, then L4: ``[(payload, tier)]``."""
+        out: list[tuple[bytes, int]] = []
+        hexes = [k.tobytes().hex() for k in keys]
+        n = len(hexes)
+        if self.disk is not None:
+            while len(out) < n:
+                i = len(out)
+                p = self.codec.decode(
+                    self.disk.get(hexes[i]), keys[i].tobytes(), toks[i], self.block_bytes
+                )
+                if p is None:
+                    break
+                out.append((p, 3))
+        if self.remote is not None and len(out) < n:
+            start = len(out)
+            for j, v in enumerate(self.remote.get_many(hexes[start:])):
+                i = start + j
+                p = self.codec.decode(v, keys[i].tobytes(), toks[i], self.block_bytes)
+                if p is None:
+                    break
+                out.append((p, 4))
+        return out
+
+    # ---- between steps ----------------------------------------------------------------
+
+    @property
+    def num_fetching(self) -> int:
+        """Fetches in flight."""
+        return len(self._fetches)
+
+    def before_schedule(self, scheduler: Any, forward_seconds: float) -> None:
+        """Hands finished (or timed-out: a miss) fetches to the scheduler and fills their L2
+        slots; refreshes the swap cost model."""
+        now = time.perf_counter()
+        done: list[tuple[int, list[tuple[bytes, int]]]] = []
+        for kv_id, (fut, start, _, _) in list(self._fetches.items()):
+            if fut.done() or now - start > self.fetch_timeout_s:
+                try:
+                    got = fut.result(timeout=0) if fut.done() else []
+                except Exception:  # a failed fetch is a miss
+                    got = []
+                done.append((kv_id, got))
+                self.fetch_latency_s.append(now - start)
+                del self._fetches[kv_id]
+        if done:
+            offsets, slots = scheduler.tier_fetched(
+                np.asarray([d[0] for d in done], np.int64),
+                np.asarray([len(d[1]) for d in done], np.int64),
+            )
+            for i, (_, got) in enumerate(done):
+                for j, slot in enumerate(slots[offsets[i] : offsets[i + 1]].tolist()):
+                    payload, tier = got[j]
+                    self.tier_hit_tokens[tier] += self.codec.block_size
+                    if slot >= 0:
+                        row = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                        for host, a, b in zip(
+                            self.host, self.bounds[:-1], self.bounds[1:], strict=True
+                        ):
+                            host[slot].view(torch.uint8).copy_(row[a:b])
+        if self.load_seconds > 0 and self.tokens_computed:
+            scheduler.set_tier_costs(
+                self.bytes_loaded / self.load_seconds, forward_seconds / self.tokens_computed
+            )
+
+    def figures(self, scheduler: Any) -> dict[str, float]:
+        """Per-tier statistics for reports (hit tokens, bytes each way, latencies, swaps)."""
+        st = scheduler.tier_stats()
+        return {
+            "tier_l1_hit_tokens": st["l1_hit_tokens"],
+            "tier_l2_hit_tokens": st["l2_hit_tokens"],
+            "tier_l3_fetched_tokens": self.tier_hit_tokens[3],
+            "tier_l4_fetched_tokens": self.tier_hit_tokens[4],
+            "tier_bytes_offloaded": self.bytes_offloaded,
+            "tier_bytes_loaded": self.bytes_loaded,
+            "tier_bytes_published": self.bytes_published,
+            "tier_load_p50_ms": percentile_ms(self.load_latency_s, 50),
+            "tier_load_p95_ms": percentile_ms(self.load_latency_s, 95),
+            "tier_fetch_p50_ms": percentile_ms(self.fetch_latency_s, 50),
+            "tier_fetch_p95_ms": percentile_ms(self.fetch_latency_s, 95),
+            "tier_swap_outs": st["swap_outs"],
+            "tier_swap_ins": st["swap_ins"],
+            "tier_host_evictions": st["host_evictions"],
+            "tier_disk_failures": self.disk.failures if self.disk else 0,
+            "tier_remote_failures": self.remote.failures if self.remote else 0,
+        }
+
+    def close(self) -> None:
+        """Waits for background writes and stops the I/O threads."""
+        self.io.shutdown(wait=True, cancel_futures=False)
