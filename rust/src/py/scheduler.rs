@@ -136,11 +136,15 @@ impl PyScheduler {
             ),
         };
         cfg.tiers = super::tiers::tier_config(
-            or_default(host_blocks, 0i64, |o| count::<i64>(o, "host_blocks", i64::from(u32::MAX)))?,
+            or_default(host_blocks, 0i64, |o| {
+                count::<i64>(o, "host_blocks", i64::from(u32::MAX))
+            })?,
             or_default(tier_fetch, false, |o| flag(o, "tier_fetch"))?,
             or_default(tier_publish, false, |o| flag(o, "tier_publish"))?,
             root,
-            or_default(bytes_per_block, 1i64, |o| count::<i64>(o, "bytes_per_block", i64::MAX))?,
+            or_default(bytes_per_block, 1i64, |o| {
+                count::<i64>(o, "bytes_per_block", i64::MAX)
+            })?,
             &or_default(preemption, "recompute".into(), |o| text(o, "preemption"))?,
         )?;
         let inner = Scheduler::new(cfg.clone())?;

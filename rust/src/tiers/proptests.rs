@@ -58,14 +58,10 @@ impl Sim {
             let toks = &self.tokens[&(p.req_ids[r] as u64)];
             let q0 = p.query_start_loc[r] as usize;
             let start = p.positions[q0] as usize;
-            for pos in 0..start {
+            for (pos, &tok) in toks.iter().enumerate().take(start) {
                 let b = p.block_table[r * p.max_blocks + pos / bs] as usize;
                 let got = self.l1[b * bs + pos % bs];
-                assert_eq!(
-                    got,
-                    Some((pos as u32, toks[pos])),
-                    "row {r} reads position {pos}"
-                );
+                assert_eq!(got, Some((pos as u32, tok)), "row {r} reads position {pos}");
             }
             for q in q0..p.query_start_loc[r + 1] as usize {
                 let pos = p.positions[q] as usize;
@@ -160,7 +156,7 @@ fn run(
     };
     let mut live: Vec<u64> = Vec::new();
     let mut next_id = 0u64;
-    let mut step = |s: &mut Scheduler, sim: &mut Sim, live: &mut Vec<u64>, short: usize| {
+    let step = |s: &mut Scheduler, sim: &mut Sim, live: &mut Vec<u64>, short: usize| {
         let p = s.schedule().unwrap();
         sim.apply(&p);
         sim.fetch(s, &p, short);
