@@ -16,6 +16,7 @@ from kvcore.model_runner import kv_geometry
 from kvcore.outputs import SamplingParams
 from kvcore.planner import geometry
 from kvcore.windows import layer_windows, window_groups
+from test_window_models import FULL
 
 needs_gemma = pytest.mark.skipif(
     not is_installed(), reason=f"Gemma-3-270M packages not installed: {INSTALL_COMMAND}"
@@ -85,7 +86,9 @@ def test_greedy_matches_generate(gemma):
     max_tokens = [32, 32, 8]
     assert len(prompts[-1]) == 600  # past the 512-token window of the local layers
     # Chunked prefill (256-token budget) and 16-token blocks, all three requests in one batch.
-    llm = LLM(model, tokenizer=tok, num_blocks=160, block_size=16, max_num_batched_tokens=256)
+    llm = LLM(
+        model, tokenizer=tok, num_blocks=160, block_size=16, max_num_batched_tokens=256, **FULL
+    )
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for o, p, m in zip(outs, prompts, max_tokens, strict=True):

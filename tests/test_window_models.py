@@ -5,6 +5,8 @@ by the kernels): greedy tokens equal transformers' ``generate`` with 80-token pr
 receives is the one ``kvcore.windows.layer_windows`` reports; and dropping the window changes
 the tokens (so the equality is not vacuous)."""
 
+import inspect
+
 import kvcore_kernels
 import pytest
 import torch
@@ -16,6 +18,9 @@ from kvcore.tiny_models import TINY_WINDOW, TINY_WINDOW_MODELS, tiny_window_mode
 from kvcore.windows import layer_windows, visible_tokens, window_groups
 from test_engine import VOCAB, _greedy, _prompts
 
+# retention="full" (every block kept) once LLM takes a retention policy (issue 12): these tests
+# are its correctness gate on windowed models; before that, the engine's only behaviour.
+FULL = {"retention": "full"} if "retention" in inspect.signature(LLM.__init__).parameters else {}
 WINDOW = 16
 SHRINK = dict(
     hidden_size=64,
@@ -80,7 +85,7 @@ def recorded(monkeypatch):
 
 
 def _run(model, prompts, max_tokens, **kw):
-    kw = {"block_size": 4, "num_blocks": 256, "max_num_batched_tokens": 24, **kw}
+    kw = {"block_size": 4, "num_blocks": 256, "max_num_batched_tokens": 24, **FULL, **kw}
     llm = LLM(model, **kw)
     outs = llm.generate(prompts, [_greedy(m) for m in max_tokens], use_tqdm=False)
     engine = llm.engine
