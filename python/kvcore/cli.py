@@ -37,12 +37,18 @@ examples:
   kvcore eval-kv --formats int8,kivi2
 
 With no command, kvcore runs `kvcore run`. Models: smollm2-135m (default; the first run converts
-it once into ~/.cache/kvcore), tiny-llama (random weights, no tokenizer) or a local checkpoint
-folder. Each command has its own --help."""
+it once into ~/.cache/kvcore), gemma3-270m (Gemma Terms of Use; converted the same way),
+tiny-llama (random weights, no tokenizer), tiny-mistral, tiny-qwen2, tiny-qwen3, tiny-gemma2,
+tiny-gemma3 (sliding-window layers, random weights) or a local checkpoint folder. Each command
+has its own --help."""
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny-llama | a path")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="smollm2-135m | gemma3-270m | tiny-llama | tiny-gemma3 | ... | a path",
+    )
     p.add_argument(
         "--device", type=ca.device, default=None, help="cpu | cuda | cuda:N (default: cuda if any)"
     )

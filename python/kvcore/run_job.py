@@ -39,6 +39,11 @@ def run_chat(llm: Any, args: Any) -> ChatRun:
     engine, tok = llm.engine, llm.get_tokenizer()
     if tok is None:
         raise KvCoreError("kvcore run needs a model with a tokenizer (the chat workload is text)")
+    if not getattr(tok, "chat_template", None):  # base models such as gemma3-270m
+        raise KvCoreError(
+            "kvcore run needs a tokenizer with a chat template (the workload is chats); "
+            "for a base model use kvcore generate"
+        )
     convs = chat_workload(args.conversations, seed=args.seed)
     answers: list[list[str]] = [[] for _ in convs]
     owner: dict[str, tuple[int, int]] = {}
