@@ -30,10 +30,16 @@ bench() {  # label port
     --cost-per-hour 0.10 --timeout 400 --label "$1" --save-json "$OUT/$1-seed$SEED.json" \
     | tee "$OUT/$1-seed$SEED.txt" || true
 }
-nice -n 5 python -m kvcore.entrypoints serve --model smollm2-135m --threads 2 --port 8931 \
-  > "$OUT/kvcore-server.log" 2>&1 & PID=$!
-wait_up 8931 && bench kvcore 8931; kill -TERM $PID; wait $PID || true
+# PEER=0 / KVCORE=0 skip a server (e.g. to rerun the peer alone after the shared machine's OOM
+# killer took it); PEER_FLAGS go to transformers serve (e.g. "--cb-num-blocks 1455 --cb-block-size
+# 16", kvcore's KV capacity, caps its memory; by default it sizes its cache itself).
+if [ "${KVCORE:-1}" != 0 ]; then
+  nice -n 5 python -m kvcore.entrypoints serve --model smollm2-135m --threads 2 --port 8931 \
+    > "$OUT/kvcore-server.log" 2>&1 & PID=$!
+  wait_up 8931 && bench kvcore 8931; kill -TERM $PID; wait $PID || true
+fi
+[ "${PEER:-1}" = 0 ] || {
 nice -n 5 transformers serve "$HF" --device cpu --continuous-batching --host 127.0.0.1 --port 8932 \
-  > "$OUT/transformers-server.log" 2>&1 & PID=$!
-wait_up 8932 && bench transformers-serve 8932; kill -TERM $PID; wait $PID || true
+  ${PEER_FLAGS:-} > "$OUT/transformers-server.log" 2>&1 & PID=$!
+wait_up 8932 && bench transformers-serve 8932; kill -TERM $PID; wait $PID || true; }
 python benches/score_serve.py "$OUT" $SLO | tee "$OUT/score.txt"
