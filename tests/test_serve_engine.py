@@ -163,12 +163,22 @@ def test_bench_summary_goodput_and_knee():
     assert fig["output_tok_per_s"] == 13.0
     assert fig["ttft_p50_ms"] == pytest.approx(175.0)
     assert fig["cost_per_m_useful_tok_usd"] == pytest.approx(0.001 / 11e-6)
-    rows = [
-        {"request_rate": 1.0, "goodput_req_per_s": 1.0},
-        {"request_rate": 2.0, "goodput_req_per_s": 1.9},
-        {"request_rate": 4.0, "goodput_req_per_s": 2.0},
-    ]
-    assert knee(rows) == 2.0
+
+    def row(rate, goodput, sent, duration, failed=0):
+        return {
+            "request_rate": rate,
+            "goodput_req_per_s": goodput,
+            "requests_completed": sent - failed,
+            "requests_failed": failed,
+            "duration_s": duration,
+        }
+
+    # The knee counts requests meeting the SLO (>= 90 %), not goodput against the offered
+    # rate: 24 Poisson arrivals at 0.125 req/s took 240 s, every one met the SLO.
+    rows = [row(0.125, 0.1, 24, 240.0), row(1.0, 1.0, 10, 10.0), row(2.0, 1.9, 20, 10.0)]
+    assert knee(rows + [row(4.0, 2.0, 40, 10.0)]) == 2.0
+    assert knee(rows[:1]) == 0.125
+    assert knee([row(2.0, 1.7, 20, 10.0, failed=2)]) is None  # 17 of 20 met it
     reqs = make_dataset("shared-prefix", 3, prefix_len=32, input_len=8, vocab_size=100)
     assert all(r.body["prompt"][:32] == reqs[0].body["prompt"][:32] for r in reqs)
     chat = make_dataset("chat", 4, max_tokens=40)

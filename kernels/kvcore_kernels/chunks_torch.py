@@ -18,6 +18,9 @@ from kvcore_kernels.plan import AttentionMetadata
 # On a 2-core Xeon (2 MiB L2 per core) 1.5 to 6 MiB ran alike when idle and 24 MiB twice as
 # slow; the larger sizes make fewer parallel regions, which is what a loaded machine punishes.
 CHUNK_BYTES_PER_THREAD = 4 << 20
+# A chunk's padded work (requests x longest query x longest key) stays under this many times
+# its real work: a new chunk starts before a request that would pad it further.
+MAX_PAD_RATIO = 1.5
 # Score elements per slice of the explicit (soft-cap / ALiBi) path.
 MAX_SCORE_ELEMENTS = 1 << 24
 
@@ -80,17 +83,9 @@ def build_chunks(
         return []
     extend = q_lens[active] > 1
     order = active[np.lexsort((num_blk[active], q_lens[active], extend))]
-    extend = q_lens[order] > 1
-    cost = num_blk[order] * bs
-    # Exclusive running cost within each group (decode, extend), cut every budget_tokens.
-    cum = np.cumsum(cost) - cost
-    n_dec = int((~extend).sum())
-    if n_dec < len(order):
-        cum[n_dec:] -= cum[n_dec]
-    key = cum // budget_tokens
-    cut = (key[1:] != key[:-1]) | (extend[1:] != extend[:-1])
-    starts = np.flatnonzero(np.r_[True, cut])
-    bounds = zip(starts, np.r_[starts[1:], len(order)], strict=True)
+    budget_blocks = max(1, -(-budget_tokens // bs))
+    starts = _cuts(q_lens[order].tolist(), num_blk[order].tolist(), budget_blocks)
+    bounds = zip(starts, starts[1:] + [len(order)], strict=True)
     device = meta.device
 
     def dev(a: np.ndarray) -> torch.Tensor:
@@ -144,6 +139,34 @@ def build_chunks(
             )
         )
     return chunks
+
+
+def _cuts(q_lens: list[int], num_blk: list[int], budget_blocks: int) -> list[int]:
+    """First row of each chunk over rows sorted (decodes, then extends; by query length, then
+    blocks). A chunk ends at the decode/extend boundary, once its blocks reach the budget, or
+    when the next row would pad it past ``MAX_PAD_RATIO`` times its real work: every request
+    of a chunk is padded to its longest query and key, so decodes of 100 and 600 tokens in one
+    chunk would gather, zero and attend 600 keys for each (the step profile in
+    docs/serving.md). Bounding the padding is length bucketing (as in batching sequences of
+    similar lengths for training), at the price of a few more chunks per step."""
+    starts = [0]
+    q_max = real = blocks = 0
+    nb_max = 0
+    for j, (q, nb) in enumerate(zip(q_lens, num_blk, strict=True)):
+        n = j - starts[-1]
+        if n:
+            padded = (n + 1) * max(q_max, q) * max(nb_max, nb)
+            if (
+                (q > 1) != (q_lens[j - 1] > 1)
+                or blocks >= budget_blocks
+                or padded > MAX_PAD_RATIO * (real + q * nb)
+            ):
+                starts.append(j)
+                q_max = real = blocks = nb_max = 0
+        q_max, nb_max = max(q_max, q), max(nb_max, nb)
+        real += q * nb
+        blocks += nb
+    return starts
 
 
 def _as_range(index: np.ndarray) -> tuple[int, int] | None:

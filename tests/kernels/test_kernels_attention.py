@@ -131,6 +131,30 @@ def test_twin_chunking_does_not_change_results(gen, monkeypatch, chunk_bytes):
     check(gen, "torch", CASES["mixed"], features={"soft_cap": 2.0})
 
 
+def test_twin_chunks_bound_padding(gen):
+    """Decodes of 90 and 600 tokens are not padded to one length (the serving profile in
+    docs/serving.md): every chunk's padded work stays within MAX_PAD_RATIO of its real work,
+    similar lengths still share a chunk, and the results stay exact."""
+    reqs = [(600, 1), (90, 1), (95, 1), (530, 1), (250, 1), (92, 1), (0, 40), (300, 8)]
+    check(gen, "torch", reqs, features={})
+    b = make_batch(
+        gen, reqs, block_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32
+    )
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 16)
+    chunks = chunks_torch.build_chunks(meta, None, 1 << 20)
+    starts = b.query_start_loc.tolist()
+    members = []
+    for c in chunks:  # the requests of each chunk, from the tokens its output rows go to
+        tokens = set(c.out_index.tolist())
+        members.append([r for r in range(len(reqs)) if starts[r] in tokens])
+        real = sum(reqs[r][1] * -(-(sum(reqs[r])) // 16) for r in members[-1])
+        assert c.num_reqs == len(members[-1])
+        assert c.num_reqs * c.q_max * c.num_blocks <= chunks_torch.MAX_PAD_RATIO * real
+    assert sorted(r for m in members for r in m) == list(range(len(reqs)))
+    assert [1, 2, 5] in members  # the three ~90-token decodes share one chunk
+    assert not any(0 in m and 1 in m for m in members)  # 600 and 90 tokens do not
+
+
 def test_twin_explicit_path_slices_queries(gen, monkeypatch):
     monkeypatch.setattr(chunks_torch, "MAX_SCORE_ELEMENTS", 1000)
     check(gen, "torch", CASES["prefix_mid_block"], features=FEATURES["all"])

@@ -73,13 +73,18 @@ def make_dataset(
 
 
 def knee(results: list[dict[str, Any]], fraction: float = 0.9) -> float | None:
-    """The highest request rate whose goodput is still >= ``fraction`` of the offered rate."""
-    ok = [
-        r["request_rate"]
-        for r in results
-        if r["request_rate"] != float("inf")
-        and r["goodput_req_per_s"] >= fraction * r["request_rate"]
-    ]
+    """The highest request rate at which >= ``fraction`` of the requests sent met the SLO.
+
+    (Counted over the requests, not against the offered rate: a few dozen Poisson arrivals
+    realise a rate well off the nominal one, which made a server that met the SLO on every
+    request miss "90 % of the offered rate" at 0.125 req/s.)"""
+    ok = []
+    for r in results:
+        sent = r.get("requests_completed", 0) + r.get("requests_failed", 0)
+        if r["request_rate"] == float("inf") or not sent:
+            continue
+        if r["goodput_req_per_s"] * r["duration_s"] >= fraction * sent - 1e-9:
+            ok.append(r["request_rate"])
     return max(ok) if ok else None
 
 
