@@ -9,7 +9,7 @@ import types
 import pytest
 from kvcore import LLM, SamplingParams
 from kvcore.entrypoints.async_engine import AsyncEngine, EngineError
-from kvcore.entrypoints.bench_data import knee, make_dataset
+from kvcore.entrypoints.bench_data import knee, make_dataset, rate_seed
 from kvcore.entrypoints.bench_serve import Result, summarize
 from kvcore.entrypoints.metrics import ServerMetrics
 from kvcore.entrypoints.protocol import (
@@ -183,3 +183,15 @@ def test_bench_summary_goodput_and_knee():
     assert all(r.body["prompt"][:32] == reqs[0].body["prompt"][:32] for r in reqs)
     chat = make_dataset("chat", 4, max_tokens=40)
     assert all(r.path == "/v1/chat/completions" and r.body["max_tokens"] <= 40 for r in chat)
+
+
+def test_each_rate_draws_its_own_prompts():
+    """A sweep must not replay one prompt list at every rate (a prefix cache would serve the
+    later rates from the earlier ones)."""
+    seeds = [rate_seed(3, i) for i in range(3)]
+    assert seeds[0] == 3 and len(set(seeds)) == 3 and 4 not in seeds  # 4: the warm-up's
+    a, b = (make_dataset("chat", 6, seed=s, max_tokens=8) for s in seeds[:2])
+    assert [r.body["messages"] for r in a] != [r.body["messages"] for r in b]
+    users = [r.body["messages"][1]["content"] for r in make_dataset("chat", 16, seed=5)]
+    assert len(set(users)) == 16  # no prompt repeats within a run of up to 16
+    assert all(r.body["messages"][0]["role"] == "system" for r in a)

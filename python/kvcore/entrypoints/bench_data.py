@@ -2,9 +2,12 @@
 
 Datasets (one request each, seeded):
 
-* ``chat``: the first turn of ``kvcore run``'s chat workload (a shared system prompt; short
-  questions next to questions about a page of the Python manual), through /v1/chat/completions,
-  answer lengths 32-96 tokens (capped by ``--max-tokens``).
+* ``chat``: first turns shaped like ``kvcore run``'s chat workload (a shared system prompt; short
+  questions next to, one in four, a question about 600-2,000 characters of the Python manual),
+  through /v1/chat/completions, answer lengths 32-96 tokens (capped by ``--max-tokens``). Short
+  questions are drawn without replacement and manual excerpts start at a random offset of a random
+  topic, so the only prefix two requests share is the system prompt (and, past 16 short
+  questions, a repeated one), as in a real chat stream.
 * ``random``: uniform random token ids (``--input-len`` ± 50 %), through /v1/completions with
   ``ignore_eos`` (so every request produces exactly ``--max-tokens`` tokens, vLLM's convention).
 * ``shared-prefix``: one random ``--prefix-len``-token prefix shared by every prompt, then a random
@@ -29,6 +32,39 @@ class BenchRequest:
     body: dict[str, Any]
 
 
+def chat_bodies(n: int, rng: random.Random, max_tokens: int | None) -> list[dict[str, Any]]:
+    """``n`` first-turn chat requests (see the module doc)."""
+    import pydoc_data.topics
+
+    from kvcore.workload import QUESTIONS, SYSTEM_PROMPT
+
+    topics = sorted(pydoc_data.topics.topics)
+    questions: list[str] = []
+    out = []
+    for i in range(n):
+        if i % 4 == 3:
+            text = pydoc_data.topics.topics[rng.choice(topics)]
+            size = rng.choice((600, 1200, 2000))
+            start = rng.randrange(max(1, len(text) - size))
+            q = f"Here is part of the Python manual:\n\n{text[start : start + size]}\n\n"
+            q += "What does this section explain?"
+        else:
+            if not questions:
+                questions = rng.sample(QUESTIONS, len(QUESTIONS))
+            q = questions.pop()
+        mt = rng.choice((32, 48, 64, 96))
+        msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
+        mt = mt if max_tokens is None else min(mt, max_tokens)
+        out.append({"messages": msgs, "max_tokens": mt, "temperature": 0.0})
+    return out
+
+
+def rate_seed(seed: int, rate_index: int) -> int:
+    """The dataset seed of the ``rate_index``-th rate of a sweep run with ``seed`` (rate 0 keeps
+    ``seed``; the warm-up uses ``seed + 1``, so the others start well away from it)."""
+    return seed if rate_index == 0 else seed + 1000 * rate_index
+
+
 def make_dataset(
     name: str,
     num_prompts: int,
@@ -42,15 +78,10 @@ def make_dataset(
     """``num_prompts`` requests of dataset ``name``."""
     rng = random.Random(seed)
     if name == "chat":
-        from kvcore.workload import chat_workload
-
-        convs = chat_workload(num_prompts, seed=seed)
-        out = []
-        for conv in convs:
-            mt = conv.max_tokens[0] if max_tokens is None else min(conv.max_tokens[0], max_tokens)
-            body = {"messages": conv.messages(0, []), "max_tokens": mt, "temperature": 0.0}
-            out.append(BenchRequest("/v1/chat/completions", body))
-        return out
+        return [
+            BenchRequest("/v1/chat/completions", body)
+            for body in chat_bodies(num_prompts, rng, max_tokens)
+        ]
     if name not in DATASETS:
         raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, not {name!r}")
 

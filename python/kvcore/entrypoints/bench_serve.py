@@ -35,6 +35,7 @@ from kvcore.entrypoints.bench_data import (
     make_dataset,
     plot,
     print_figures,
+    rate_seed,
     report,
 )
 
@@ -254,23 +255,28 @@ async def _model(args: Any) -> str:
 
 async def _main(args: Any) -> list[dict[str, Any]]:
     model = await _model(args)
-    reqs = make_dataset(
-        args.dataset,
-        args.num_prompts,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        input_len=args.input_len,
-        prefix_len=args.prefix_len,
-        vocab_size=args.vocab_size,
-    )
+
+    def dataset(i: int) -> list[BenchRequest]:
+        # Each rate draws its own requests (seed, rate index): replaying one list at every rate
+        # would let a prefix cache serve the later rates from the earlier ones' prompts.
+        return make_dataset(
+            args.dataset,
+            args.num_prompts,
+            seed=rate_seed(args.seed, i),
+            max_tokens=args.max_tokens,
+            input_len=args.input_len,
+            prefix_len=args.prefix_len,
+            vocab_size=args.vocab_size,
+        )
+
     if args.warmup:
         warm = make_dataset(
             args.dataset, args.warmup, seed=args.seed + 1, max_tokens=8, vocab_size=args.vocab_size
         )
         await run_rate(args, float("inf"), warm, model)
     results = []
-    for rate in args.request_rate:
-        fig = await run_rate(args, rate, reqs, model)
+    for i, rate in enumerate(args.request_rate):
+        fig = await run_rate(args, rate, dataset(i), model)
         print_figures(fig)
         results.append(fig)
     return results
