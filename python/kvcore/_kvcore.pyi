@@ -416,6 +416,10 @@ class StepOutput:
     def token_ids(self) -> NDArray[np.int64]:
         """All output tokens, entry after entry."""
 
+    @property
+    def peak_blocks(self) -> NDArray[np.int64]:
+        """``[F]`` most KV blocks the sample held at once (retention bounds it)."""
+
     def outputs(self) -> list[tuple[int, int, str, list[int]]]:
         """``[(req_id, seq_index, finish_reason, token_ids)]`` (convenience, builds lists)."""
 
@@ -477,6 +481,14 @@ class SchedulerStats:
     def num_finished(self) -> int:
         """Samples finished since start (aborted ones included)."""
 
+    @property
+    def num_released_blocks(self) -> int:
+        """Blocks released by retention (sliding windows, lossy policies) since start."""
+
+    @property
+    def peak_seq_blocks(self) -> int:
+        """Most blocks any one sequence held at once since start."""
+
 @final
 class Scheduler:
     """The continuous-batching scheduler over a paged KV cache (Rust).
@@ -523,6 +535,7 @@ class Scheduler:
         tier_root: bytes | None = None,
         bytes_per_block: int = 1,
         preemption: str = "recompute",
+        sliding_window: int = 0,
     ) -> Self:
         """``num_blocks`` includes the null block; ``prefix_mode`` is ``"radix"``, ``"hash"``
         (xxh3-128), ``"hash_sha256"`` or ``"off"`` (hash modes compare token ids on a match);
@@ -537,7 +550,11 @@ class Scheduler:
         ``tier_fetched``); ``tier_publish`` writes newly cached blocks through (``TierPlan.
         publish``); ``tier_root`` (32 bytes) roots the key chain; ``preemption`` is
         ``"recompute"``, ``"swap"`` or ``"auto"`` (swap when ``bytes_per_block`` times the blocks
-        over the measured copy bandwidth costs less than recomputing the computed tokens)."""
+        over the measured copy bandwidth costs less than recomputing the computed tokens).
+
+        ``sliding_window`` (tokens; 0: off) is the window of *every* attention layer: blocks
+        wholly behind it are released as sequences grow (exact), and their block-table entries
+        become the null block 0 (positions stay logical; see docs/retention.md)."""
 
     def add_requests(
         self,
@@ -552,6 +569,8 @@ class Scheduler:
         ignore_eos: bool | Sequence[bool] | NDArray[np.bool_] | None = None,
         stop_token_ids: _Ints | None = None,
         stop_offsets: _Ints | None = None,
+        retention_sink: int | _Ints | None = None,
+        retention_window: int | _Ints | None = None,
     ) -> None:
         """Adds ``R = len(req_ids)`` requests in order, all or none. Request ``i``'s prompt is
         ``prompt_token_ids[prompt_offsets[i]:prompt_offsets[i + 1]]`` (``prompt_offsets`` has
@@ -559,7 +578,12 @@ class Scheduler:
         every request. ``DuplicateRequestError`` for an id in use; ``TooLongError`` for a prompt
         of ``max_model_len`` tokens or more, or a request whose longest run cannot fit in the
         pool; ``InvalidArgumentError`` for empty prompts, zero ``max_tokens`` or ``n``, ``n >
-        max_num_seqs``, bad shapes or values."""
+        max_num_seqs``, bad shapes or values.
+
+        ``retention_window > 0`` (blocks) gives a request a lossy policy: it keeps its first
+        ``retention_sink`` blocks and the ``retention_window`` full blocks before the block
+        being written, releases the rest as it grows (null entries in its block-table rows) and
+        publishes nothing to the prefix cache after its first drop. 0 (default): keep all."""
 
     def add_request(
         self,
@@ -572,6 +596,8 @@ class Scheduler:
         n: int = 1,
         ignore_eos: bool = False,
         stop_token_ids: _Ints | None = None,
+        retention_sink: int = 0,
+        retention_window: int = 0,
     ) -> None:
         """Adds one request (``add_requests`` for one)."""
 
@@ -651,6 +677,10 @@ class Scheduler:
     @property
     def eos_token_id(self) -> int | None:
         """The EOS token id, if any."""
+
+    @property
+    def sliding_window(self) -> int:
+        """The model-wide sliding window whose blocks are released (0: none)."""
 
     @property
     def outstanding_step(self) -> int | None:

@@ -113,6 +113,7 @@ pub struct PyStepOutput {
     request_done: Py<PyArray1<bool>>,
     token_offsets: Py<PyArray1<i64>>,
     token_ids: Py<PyArray1<i64>>,
+    peak_blocks: Py<PyArray1<i64>>,
 }
 
 impl PyStepOutput {
@@ -134,6 +135,7 @@ impl PyStepOutput {
             request_done: arr1(py, fs.iter().map(|f| f.request_done).collect()),
             token_offsets: arr1(py, offsets),
             token_ids: arr1(py, tokens),
+            peak_blocks: arr1(py, fs.iter().map(|f| i64::from(f.peak_blocks)).collect()),
         })
     }
 }
@@ -206,6 +208,8 @@ pub struct PySchedulerStats {
     num_computed_tokens: usize,
     num_steps: u64,
     num_finished: u64,
+    num_released_blocks: u64,
+    peak_seq_blocks: u32,
 }
 
 impl From<SchedulerStats> for PySchedulerStats {
@@ -224,6 +228,8 @@ impl From<SchedulerStats> for PySchedulerStats {
             num_computed_tokens: s.num_computed_tokens,
             num_steps: s.num_steps,
             num_finished: s.num_finished,
+            num_released_blocks: s.num_released_blocks,
+            peak_seq_blocks: s.peak_seq_blocks,
         }
     }
 }

@@ -44,6 +44,10 @@ pub struct SchedulerConfig {
     pub eos_token_id: Option<u32>,
     /// Tiers below the pool (L2 host slots, L3/L4 fetches, swap preemption); None: off.
     pub tiers: Option<crate::tiers::TierConfig>,
+    /// Sliding window (tokens) of *every* attention layer of the model, 0 for none: blocks
+    /// wholly behind it are released as sequences grow (exact; see docs/retention.md). A model
+    /// with some full-attention layer passes 0.
+    pub sliding_window: u32,
 }
 
 impl SchedulerConfig {
@@ -63,6 +67,7 @@ impl SchedulerConfig {
             watermark: 0.01,
             eos_token_id: None,
             tiers: None,
+            sliding_window: 0,
         }
     }
 

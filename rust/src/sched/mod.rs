@@ -35,6 +35,9 @@ mod tests;
 #[path = "../tiers/sched.rs"]
 mod tier_sched;
 mod update;
+mod window;
+#[cfg(test)]
+mod window_tests;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -75,6 +78,10 @@ pub struct SchedulerStats {
     pub num_steps: u64,
     /// Samples finished since start (aborted ones included).
     pub num_finished: u64,
+    /// Blocks released by retention (sliding windows, lossy policies) since start.
+    pub num_released_blocks: u64,
+    /// Most blocks any one sequence held at once since start.
+    pub peak_seq_blocks: u32,
 }
 
 /// Per-request bookkeeping touched only on add, fork, finish and abort.
@@ -117,6 +124,8 @@ pub struct Scheduler {
     num_preemptions: u64,
     num_finished: u64,
     num_scheduled_tokens: usize,
+    num_released_blocks: u64,
+    peak_seq_blocks: u32,
     /// Scratch buffers reused by `schedule` and `update`.
     scratch_tokens: Vec<usize>,
     scratch_copy: Vec<[u32; 2]>,
@@ -151,6 +160,8 @@ impl Scheduler {
             num_preemptions: 0,
             num_finished: 0,
             num_scheduled_tokens: 0,
+            num_released_blocks: 0,
+            peak_seq_blocks: 0,
             scratch_tokens: Vec::new(),
             scratch_copy: Vec::new(),
         })
@@ -262,6 +273,10 @@ impl Scheduler {
             namespace: r.namespace,
             ignore_eos: r.ignore_eos,
             stop_token_ids: r.stop_token_ids,
+            retention: r.retention,
+            exact_cursor: 0,
+            lossy_cursor: 0,
+            peak_blocks: 0,
         };
         let idx = self.alloc_slot(seq);
         self.waiting.insert(key, idx);
@@ -350,6 +365,7 @@ impl Scheduler {
                         output: Vec::new(),
                         reason: FinishReason::Abort,
                         request_done: false,
+                        peak_blocks: seq.peak_blocks,
                     });
                 }
             }
@@ -392,6 +408,8 @@ impl Scheduler {
             num_computed_tokens: self.running.iter().map(|&i| self.seq(i).num_computed).sum(),
             num_steps: self.next_step_id - 1,
             num_finished: self.num_finished,
+            num_released_blocks: self.num_released_blocks,
+            peak_seq_blocks: self.peak_seq_blocks,
         }
     }
 }
@@ -404,5 +422,6 @@ fn finished(seq: &Seq, reason: FinishReason, request_done: bool) -> FinishedSeq 
         output: seq.tokens[seq.prompt_len..].to_vec(),
         reason,
         request_done,
+        peak_blocks: seq.peak_blocks,
     }
 }

@@ -92,6 +92,7 @@ impl Scheduler {
                 o.step_id
             )));
         }
+        self.release_behind_windows()?;
         let mut budget = self.cfg.max_num_batched_tokens as usize;
         let mut sched = std::mem::take(&mut self.scratch_tokens);
         sched.clear();
@@ -110,6 +111,7 @@ impl Scheduler {
                 let (kv_id, total) = (seq.kv_id, seq.num_computed + num_new);
                 loop {
                     if self.kv.allocate_slots(kv_id, total)? {
+                        self.note_peak(self.running[i])?;
                         sched[i] = num_new;
                         budget -= num_new;
                         i += 1;
@@ -183,6 +185,7 @@ impl Scheduler {
         let seq = self.seqs[idx].as_mut().expect("running sequence is live");
         seq.num_computed = 0;
         seq.num_cached_blocks = 0;
+        (seq.exact_cursor, seq.lossy_cursor) = (0, 0);
         seq.status = SeqStatus::Waiting;
         seq.num_preemptions += 1;
         let (key, slots) = (seq.key, seq.slots());
@@ -240,6 +243,7 @@ impl Scheduler {
                 break;
             }
             self.kv.record_query(seq.tokens.len(), computed);
+            self.note_peak(idx)?;
             self.waiting.remove(&key);
             let seq = self.seqs[idx].as_mut().expect("waiting sequence is live");
             seq.num_computed = computed;
