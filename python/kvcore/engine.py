@@ -53,6 +53,11 @@ from kvcore.models import load_model
 from kvcore.outputs import RequestOutput, SamplingParams
 from kvcore.report import EngineStats
 from kvcore.requests import Request, build_scheduler, salt_namespace, submit
+from kvcore.retention_engine import (
+    RetentionSupport,
+    exact_release_window,
+    kernels_take_null_entries,
+)
 from kvcore.sampler import Sampler
 from kvcore.tiers.build import build_tier_manager, tier_scheduler_args
 
@@ -109,6 +114,9 @@ class LLMEngine(StepLoop):
         except KernelConfigError as e:
             raise InvalidArgumentError(f"kv_format: {e}") from None
         num_blocks = cc.resolve_num_blocks(bytes_per_block, dev, reserved)
+        # Retention (docs/retention.md): policies are checked before anything runs.
+        self.retention = RetentionSupport(cc.retention, block_size, formats, config)
+        self.sliding_window = exact_release_window(config, cc.sliding_window_release, formats)
         self.eos_token_ids = eos_ids(self.model, self.tokenizer)
         tier_args, codec = tier_scheduler_args(cc, sc, self.model, bytes_per_block, formats)
         self.scheduler = build_scheduler(
@@ -117,6 +125,7 @@ class LLMEngine(StepLoop):
             self.scheduler_config,
             self.max_model_len,
             self.eos_token_ids[0] if self.eos_token_ids else None,
+            sliding_window=self.sliding_window,
             **tier_args,
         )
         try:
@@ -137,6 +146,8 @@ class LLMEngine(StepLoop):
             )
         except KernelConfigError as e:  # e.g. int4 on a head dim that is not a multiple of 32
             raise InvalidArgumentError(f"kv_format {cc.kv_format!r}: {e}") from None
+        # Kernels that cannot take null entries get the released ones filled (never read).
+        self.runner.fill_released = self.sliding_window > 0 and not kernels_take_null_entries()
         self.tiers = None  # KV tiers (kvcore.tiers): L2 host, L3 disk, L4 Redis
         if codec is not None:
             self.tiers = build_tier_manager(
@@ -166,12 +177,15 @@ class LLMEngine(StepLoop):
         priority: int | Sequence[int] | None = None,
         stream: bool = False,
         cache_salt: str | Sequence[str | None] | None = None,
+        retention: str | Sequence[str | None] | None = None,
         _sink: Callable[[RequestOutput], None] | None = None,
     ) -> list[str]:
         """Validate and queue a batch of requests (all or none); returns their request ids.
 
         ``cache_salt`` (one for all, or one per prompt) is the request's prefix-cache
         namespace: requests with different salts never share a prefix hit (tenant isolation).
+        ``retention`` (one for all, or one per prompt; None: the engine's ``retention``) is the
+        request's retention policy (``"full"``, ``"window:W"``, ``"sink:S+window:W"``).
         """
         if isinstance(prompts, str) or not isinstance(prompts, Sequence):
             raise InvalidArgumentError("prompts must be a list (use add_request for one)")
@@ -184,6 +198,7 @@ class LLMEngine(StepLoop):
             raise InvalidArgumentError("request_ids must be unique, one per prompt")
         prios = priorities(priority, n)
         namespaces = [salt_namespace(x) for x in broadcast(cache_salt, n, "cache_salt")]
+        kept = self.retention.blocks(self.retention.resolve(retention, n))
         built = []
         for prompt, p in zip(prompts, plist, strict=True):
             text, tokens = prompt_ids(self.tokenizer, prompt)
@@ -213,6 +228,7 @@ class LLMEngine(StepLoop):
                 prios,
                 self.eos_token_ids,
                 namespaces,
+                kept,
             )
             for i, rid, (text, tokens, p) in zip(internal, ids, built, strict=True):
                 req = Request.create(
@@ -233,6 +249,7 @@ class LLMEngine(StepLoop):
         priority: int = 0,
         stream: bool = False,
         cache_salt: str | None = None,
+        retention: str | None = None,
         _sink: Callable[[RequestOutput], None] | None = None,
     ) -> str:
         """Queue one request; returns its request id."""
@@ -245,6 +262,7 @@ class LLMEngine(StepLoop):
             priority=[priority],
             stream=stream,
             cache_salt=[cache_salt],
+            retention=[retention],
             _sink=_sink,
         )[0]
 

@@ -61,6 +61,7 @@ from kvcore.mla import (
     install_mla,
     is_mla_config,
 )
+from kvcore.retention_engine import fill_released
 
 logger = logging.getLogger("kvcore")
 # Whether the forward is compiled when the caller does not say (bench_e2e --compile/--eager, on
@@ -139,6 +140,8 @@ class ModelRunner:
         self._pending: list[tuple[Any, Any]] = []  # CUDA events not yet read
         self._pinned: torch.Tensor | None = None
         self.tier_hook: Any = None  # kvcore.tiers.TierManager.apply: tier moves of a plan
+        # Fill released (null) block-table entries before planning (kvcore.retention_engine)
+        self.fill_released = False
         cuda = self.device.type == "cuda"
         if compile is None:
             compile = COMPILE_BY_DEFAULT.get(self.device.type, False)
@@ -315,11 +318,14 @@ class ModelRunner:
             input_ids, positions, slot_mapping, keep = self._int64_tensors(
                 plan.input_ids, plan.positions, plan.slot_mapping, logits_indices
             )
+            table = plan.block_table
+            if self.fill_released:  # exact windows on kernels without null entries
+                table = fill_released(table, plan.seq_lens, self.block_size)
             # Host arrays: the plan checks and lays them out on the host, then copies once each.
             meta = kvcore_kernels.plan_attention(
                 plan.query_start_loc,
                 plan.seq_lens,
-                plan.block_table,
+                table,
                 self.block_size,
                 device=self.device,
             )
