@@ -142,3 +142,18 @@ def test_fill_released_fills_only_used_null_entries():
     out = fill_released(table, np.array([14, 3]), 4)
     assert out.tolist() == [[9, 9, 7, 9, 0], [3, 0, 0, 0, 0]]
     assert fill_released(out, np.array([14, 3]), 4) is out
+
+
+def test_window_release_with_host_tier_and_swap_preemption(mistral):
+    # Released tables are recomputed, never swapped; evicted cached blocks still go to L2.
+    shared = _prompts([12], seed=30)[0]
+    prompts = _prompts([28, 20, 34], seed=31, prefix=shared)
+    params = [_greedy(m) for m in (30, 36, 26)]
+    kw = dict(num_blocks=36, host_kv_bytes=1 << 22, preemption="swap")
+    tiered, outs = _run(mistral, prompts, params, **kw)
+    _, ref = _run(mistral, prompts, params, sliding_window_release=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert tiered.engine.scheduler.stats().num_released_blocks > 0
+    again = tiered.generate(prompts[:1], params[:1], use_tqdm=False)
+    assert again[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    _check(tiered)
