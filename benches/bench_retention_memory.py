@@ -21,7 +21,7 @@ import statistics
 import numpy as np
 from kvcore import _kvcore
 from kvcore.retention import parse_retention
-from kvcore.retention_engine import exact_release_window, model_windows
+from kvcore.retention_engine import exact_release_window, kv_groups, model_windows
 
 
 def model_config(name: str):
@@ -46,7 +46,7 @@ def model_config(name: str):
     return load_model(name)[0].config
 
 
-def run(window, lengths, num_blocks, block_size, budget, chunk, retention=(0, 0)):
+def run(window, lengths, num_blocks, block_size, budget, chunk, retention=(0, 0), groups=()):
     """Steps every conversation to its end; returns (peak blocks per conversation (max), most
     conversations running at once, preemptions, steps, mean decode rows per step: how many
     conversations really advance together)."""
@@ -59,6 +59,7 @@ def run(window, lengths, num_blocks, block_size, budget, chunk, retention=(0, 0)
         prefix_mode="off",
         watermark=0.0,
         sliding_window=window,
+        group_windows=list(groups),
     )
     prompts = [np.arange(p, dtype=np.int64) % 50_000 + 10 + i for i, (p, _) in enumerate(lengths)]
     s.add_requests(
@@ -101,18 +102,24 @@ def main() -> None:
     cfg = model_config(a.model)
     windows = model_windows(cfg)
     w = exact_release_window(cfg, True, ["auto"] * len(windows))
+    groups = kv_groups(windows)
     n_local = sum(x is not None for x in windows)
-    print(f"layers: {len(windows)} layers")
+    num_layers = len(windows)
+    print(f"layers: {num_layers} layers")
     print(f"local_layers: {n_local} layers")
     print(f"release_window: {w} tokens")
     bs = a.block_size
     full_blocks = -(-(a.context - 1) // bs)
     num_blocks = int(a.budget_conversations * (full_blocks + 1)) + 1
-    print(f"kv_budget: {num_blocks - 1} blocks")
-    modes = {"full": (0, (0, 0)), "release": (w, (0, 0))}
+    print(f"kv_budget: {num_blocks - 1} blocks of {num_layers} layers")
+    # mode -> (window, retention blocks, extra group windows, layers per block)
+    modes = {"full": (0, (0, 0), (), num_layers), "release": (w, (0, 0), (), num_layers)}
+    if groups is not None:  # hybrid: KV cache groups, a block holds one group's layers
+        print(f"kv_groups: {len(groups.windows)} groups of {groups.size} layers")
+        modes["release"] = (0, (0, 0), groups.windows[1:], groups.size)
     if a.retention:
         b = parse_retention(a.retention).blocks(bs)
-        modes[parse_retention(a.retention).metric_name] = (w, (b.sink, b.window))
+        modes[parse_retention(a.retention).metric_name] = (w, (b.sink, b.window), (), num_layers)
     res: dict[str, list[tuple[int, int, int, int, float]]] = {m: [] for m in modes}
     for seed in range(a.seeds):
         rng = np.random.default_rng(seed)
@@ -121,15 +128,18 @@ def main() -> None:
             total = int(a.context * rng.uniform(0.9, 1.0))
             out = int(a.output * rng.uniform(0.9, 1.1))
             lengths.append((total - out, out))
-        for m, (win, ret) in modes.items():
-            res[m].append(run(win, lengths, num_blocks, bs, a.batch_tokens, a.prefill_chunk, ret))
+        for m, (win, ret, gw, per_block) in modes.items():
+            # The same bytes: a block of fewer layers gives more blocks.
+            nb = (num_blocks - 1) * num_layers // per_block + 1
+            r = run(win, lengths, nb, bs, a.batch_tokens, a.prefill_chunk, ret, gw)
+            res[m].append((r[0] * per_block / num_layers, *r[1:]))
 
     def show(name, values, unit):
         sd = statistics.pstdev(values) if len(values) > 1 else 0.0
         print(f"{name}: {statistics.mean(values):.2f} {unit} (sd {sd:.2f}, n={len(values)})")
 
     for m, rows in res.items():
-        show(f"peak_blocks_per_seq_{m}", [r[0] for r in rows], "blocks")
+        show(f"peak_blocks_per_seq_{m}", [r[0] for r in rows], f"blocks of {num_layers} layers")
         show(f"max_concurrent_{m}", [r[1] for r in rows], "conversations")
         show(f"preemptions_{m}", [r[2] for r in rows], "preemptions")
         show(f"steps_{m}", [r[3] for r in rows], "steps")

@@ -157,3 +157,38 @@ def test_window_release_with_host_tier_and_swap_preemption(mistral):
     again = tiered.generate(prompts[:1], params[:1], use_tqdm=False)
     assert again[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     _check(tiered)
+
+
+def test_kv_groups_of_hybrid_layouts():
+    from kvcore.retention_engine import kv_groups
+
+    assert kv_groups((20, 20, 20)) is None and kv_groups((None, None)) is None
+    gemma = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
+    g = kv_groups(gemma)
+    assert (g.size, g.windows) == (3, (0, 512, 512, 512, 512, 512))
+    assert [g.layer_group[i] for i in (5, 11, 17)] == [0, 0, 0]
+    assert g.layer_slot[5:18:6] == (0, 1, 2) and g.layer_group[0] == 1
+
+
+def test_hybrid_groups_are_exact_and_hold_fewer_blocks():
+    import transformers as tf
+
+    torch.manual_seed(8)
+    cfg = tf.Qwen2Config(**GEOMETRY, sliding_window=12, use_sliding_window=True)
+    cfg.num_hidden_layers, cfg.max_window_layers = 4, 2  # layers 0, 1 global; 2, 3 local
+    cfg.layer_types = ["full_attention"] * 2 + ["sliding_attention"] * 2
+    model = tf.Qwen2ForCausalLM(cfg).eval()
+    prompts = _prompts([30, 12, 41], seed=40)
+    params = [_greedy(m) for m in (24, 30, 16)]
+    grouped, outs = _run(model, prompts, params, prefix_caching="off")
+    plain, ref = _run(model, prompts, params)  # prefix caching on: no groups, every block kept
+    assert grouped.engine.kv_groups.windows == (0, 12) and plain.engine.kv_groups is None
+    for o, r, p, sp in zip(outs, ref, prompts, params, strict=True):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        assert o.outputs[0].token_ids == _hf_greedy(model, p, sp.max_tokens)
+    # A block holds 2 layers with groups, 4 without: the global group keeps all of a
+    # sequence's blocks, the local one its window (4 blocks) plus a prefill chunk.
+    full = max(-(-(len(p) + sp.max_tokens - 1) // 4) for p, sp in zip(prompts, params, strict=True))
+    assert plain.engine.scheduler.stats().peak_seq_blocks == full
+    assert grouped.engine.scheduler.stats().peak_seq_blocks <= full + 4 + 24 // 4 + 1 < 2 * full
+    assert grouped.engine.scheduler.stats().num_released_blocks > 0

@@ -296,6 +296,15 @@ class StepPlan:
         the null block 0; ``max_blocks`` is the largest ``ceil(seq_lens / block_size)``."""
 
     @property
+    def group_block_table(self) -> NDArray[np.int32]:
+        """``[G - 1, num_reqs, max_blocks]`` block tables of the extra KV cache groups
+        (``group_windows``), laid out like ``block_table``; ``G - 1 = 0`` without groups."""
+
+    @property
+    def group_slot_mapping(self) -> NDArray[np.int64]:
+        """``[G - 1, num_tokens]`` each token's slot in each extra group's table."""
+
+    @property
     def copy_ops(self) -> NDArray[np.int32]:
         """``[n, 2]`` (src, dst) block pairs to copy, in order, before the forward
         (copy-on-write of shared partial blocks)."""
@@ -536,6 +545,7 @@ class Scheduler:
         bytes_per_block: int = 1,
         preemption: str = "recompute",
         sliding_window: int = 0,
+        group_windows: _Ints | None = None,
     ) -> Self:
         """``num_blocks`` includes the null block; ``prefix_mode`` is ``"radix"``, ``"hash"``
         (xxh3-128), ``"hash_sha256"`` or ``"off"`` (hash modes compare token ids on a match);
@@ -554,7 +564,11 @@ class Scheduler:
 
         ``sliding_window`` (tokens; 0: off) is the window of *every* attention layer: blocks
         wholly behind it are released as sequences grow (exact), and their block-table entries
-        become the null block 0 (positions stay logical; see docs/retention.md)."""
+        become the null block 0 (positions stay logical; see docs/retention.md).
+        ``group_windows`` (tokens; 0: full attention) adds one KV cache group per entry for hybrid
+        models: every sequence gets one more block table per group, released behind that window
+        (``StepPlan.group_block_table``), while ``block_table`` (group 0, the global layers)
+        follows ``sliding_window``; groups need ``prefix_mode="off"`` and no tiers."""
 
     def add_requests(
         self,
@@ -681,6 +695,10 @@ class Scheduler:
     @property
     def sliding_window(self) -> int:
         """The model-wide sliding window whose blocks are released (0: none)."""
+
+    @property
+    def group_windows(self) -> list[int]:
+        """Windows of the extra KV cache groups (empty: one group)."""
 
     @property
     def outstanding_step(self) -> int | None:

@@ -55,6 +55,7 @@ from kvcore.report import EngineStats
 from kvcore.requests import Request, build_scheduler, salt_namespace, submit
 from kvcore.retention_engine import (
     RetentionSupport,
+    engine_groups,
     exact_release_window,
     kernels_take_null_entries,
 )
@@ -113,10 +114,15 @@ class LLMEngine(StepLoop):
             reserved = kivi_residual_bytes(config, block_size, kv_dtype, formats, residual_slots)
         except KernelConfigError as e:
             raise InvalidArgumentError(f"kv_format: {e}") from None
-        num_blocks = cc.resolve_num_blocks(bytes_per_block, dev, reserved)
-        # Retention (docs/retention.md): policies are checked before anything runs.
+        # Retention (docs/retention.md): policies are checked before anything runs; a hybrid
+        # model's KV cache groups make a block hold one group's layers.
         self.retention = RetentionSupport(cc.retention, block_size, formats, config)
         self.sliding_window = exact_release_window(config, cc.sliding_window_release, formats)
+        self.kv_groups = engine_groups(config, cc, formats)
+        if self.kv_groups is not None:
+            g = self.kv_groups.size
+            bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, formats[:g])
+        num_blocks = cc.resolve_num_blocks(bytes_per_block, dev, reserved)
         self.eos_token_ids = eos_ids(self.model, self.tokenizer)
         tier_args, codec = tier_scheduler_args(cc, sc, self.model, bytes_per_block, formats)
         self.scheduler = build_scheduler(
@@ -126,6 +132,7 @@ class LLMEngine(StepLoop):
             self.max_model_len,
             self.eos_token_ids[0] if self.eos_token_ids else None,
             sliding_window=self.sliding_window,
+            group_windows=None if self.kv_groups is None else list(self.kv_groups.windows[1:]),
             **tier_args,
         )
         try:
@@ -143,11 +150,13 @@ class LLMEngine(StepLoop):
                 compile=compile,
                 max_num_seqs=sc.max_num_seqs,
                 max_model_len=self.max_model_len,
+                kv_groups=self.kv_groups,
             )
         except KernelConfigError as e:  # e.g. int4 on a head dim that is not a multiple of 32
             raise InvalidArgumentError(f"kv_format {cc.kv_format!r}: {e}") from None
         # Kernels that cannot take null entries get the released ones filled (never read).
-        self.runner.fill_released = self.sliding_window > 0 and not kernels_take_null_entries()
+        releases = self.sliding_window > 0 or self.kv_groups is not None
+        self.runner.fill_released = releases and not kernels_take_null_entries()
         self.tiers = None  # KV tiers (kvcore.tiers): L2 host, L3 disk, L4 Redis
         if codec is not None:
             self.tiers = build_tier_manager(

@@ -29,6 +29,7 @@ def build_scheduler(
     max_model_len: int,
     eos_token_id: int | None,
     sliding_window: int = 0,
+    group_windows: list[int] | None = None,
     **tier_args: Any,
 ) -> Any:
     """The Rust scheduler for this engine's cache and limits (``tier_args``: see
@@ -48,6 +49,7 @@ def build_scheduler(
         eos_token_id=eos_token_id,
         enable_chunked_prefill=sched.enable_chunked_prefill,
         sliding_window=sliding_window,
+        group_windows=group_windows,
         **tier_args,
     )
 

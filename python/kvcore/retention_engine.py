@@ -19,6 +19,9 @@ start (and mask by window anyway).
 from __future__ import annotations
 
 import functools
+import logging
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -73,6 +76,66 @@ def fill_released(table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> n
     out = np.array(table, copy=True)
     out[holes] = np.broadcast_to(last[:, None], table.shape)[holes]
     return out
+
+
+log = logging.getLogger("kvcore")
+
+
+@dataclass(frozen=True)
+class KvGroups:
+    """KV cache groups of a hybrid model (docs/retention.md section 6): ``size`` layers per
+    group, one attention kind per group; layer ``l`` uses cache tensor ``layer_slot[l]`` through
+    the block table of group ``layer_group[l]`` (group 0: the plan's ``block_table``)."""
+
+    size: int
+    layer_group: tuple[int, ...]
+    layer_slot: tuple[int, ...]
+    windows: tuple[int, ...]  # per group, tokens; 0: full attention
+
+
+def kv_groups(windows: tuple[int | None, ...]) -> KvGroups | None:
+    """Groups for per-layer ``windows`` when some layers are global and some local (None for a
+    uniform model): layers of one window in chunks of the gcd of the per-window layer counts."""
+    by_window: dict[int, list[int]] = {}
+    for layer, w in enumerate(windows):
+        by_window.setdefault(w or 0, []).append(layer)
+    if len(by_window) < 2 or 0 not in by_window:
+        return None
+    size = math.gcd(*(len(v) for v in by_window.values()))
+    group, slot, gw = [0] * len(windows), [0] * len(windows), []
+    for w in sorted(by_window):  # 0 (global) first: group 0 keeps every block
+        layers = by_window[w]
+        for start in range(0, len(layers), size):
+            for j, layer in enumerate(layers[start : start + size]):
+                group[layer], slot[layer] = len(gw), j
+            gw.append(w)
+    return KvGroups(size, tuple(group), tuple(slot), tuple(gw))
+
+
+def engine_groups(config: Any, cache_config: Any, formats: list[str]) -> KvGroups | None:
+    """The groups the engine runs for ``config``, or None (uniform model, or a restriction:
+    groups need ``sliding_window_release``, ``prefix_caching="off"``, plain formats, no MLA and
+    no tiers; a hybrid model outside them keeps every block, which is logged)."""
+    if getattr(config, "kv_lora_rank", None):
+        return None
+    groups = kv_groups(model_windows(config))
+    if groups is None or not cache_config.sliding_window_release:
+        return None
+    why = None
+    if cache_config.prefix_caching != "off":
+        why = 'prefix_caching="off" (window-aware prefix hits are not built)'
+    elif any(f != "auto" for f in formats):
+        why = "the model-dtype KV format"
+    elif cache_config.host_kv_bytes:
+        why = "no KV tiers"
+    if why:
+        log.warning(
+            "kvcore: hybrid model (local and global layers): KV cache groups, which release the "
+            "local layers' blocks behind their window, need %s; keeping every block",
+            why,
+        )
+        return None
+    return groups
 
 
 class RetentionSupport:

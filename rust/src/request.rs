@@ -193,10 +193,9 @@ pub(crate) struct Seq {
     pub stop_token_ids: Vec<u32>,
     /// Copied from the request.
     pub retention: Option<Retention>,
-    /// Exact release (sliding window) has handled the blocks below this logical index.
-    pub exact_cursor: usize,
-    /// A lossy policy has handled the blocks below this logical index.
-    pub lossy_cursor: usize,
+    /// Per KV cache group: (exact release, lossy policy) have handled the blocks below these
+    /// logical indices.
+    pub cursors: Vec<(usize, usize)>,
     /// Most blocks held at once.
     pub peak_blocks: u32,
 }
@@ -260,8 +259,7 @@ mod tests {
             ignore_eos: false,
             stop_token_ids: vec![99],
             retention: None,
-            exact_cursor: 0,
-            lossy_cursor: 0,
+            cursors: Vec::new(),
             peak_blocks: 0,
         }
     }

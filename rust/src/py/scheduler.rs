@@ -82,13 +82,14 @@ impl PyScheduler {
             max_model_len=None, prefix_mode=None, policy=None, long_prefill_token_threshold=None,
             watermark=None, eos_token_id=None, enable_chunked_prefill=None, host_blocks=None,
             tier_fetch=None, tier_publish=None, tier_root=None, bytes_per_block=None,
-            preemption=None, sliding_window=None
+            preemption=None, sliding_window=None, group_windows=None
         ),
         text_signature = "(num_blocks, block_size=16, max_num_batched_tokens=8192, \
             max_num_seqs=256, max_model_len=8192, prefix_mode='radix', policy='fcfs', \
             long_prefill_token_threshold=0, watermark=0.01, eos_token_id=None, \
             enable_chunked_prefill=True, host_blocks=0, tier_fetch=False, tier_publish=False, \
-            tier_root=None, bytes_per_block=1, preemption='recompute', sliding_window=0)"
+            tier_root=None, bytes_per_block=1, preemption='recompute', sliding_window=0, \
+            group_windows=())"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -110,6 +111,7 @@ impl PyScheduler {
         bytes_per_block: Option<&Bound<'_, PyAny>>,
         preemption: Option<&Bound<'_, PyAny>>,
         sliding_window: Option<&Bound<'_, PyAny>>,
+        group_windows: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
             u32_arg(Some(num_blocks), 0, "num_blocks")?,
@@ -141,6 +143,10 @@ impl PyScheduler {
         })?;
         cfg.watermark = or_default(watermark, 0.01, |o| real(o, "watermark"))?;
         cfg.sliding_window = u32_arg(sliding_window, 0, "sliding_window")?;
+        cfg.group_windows = match group_windows.filter(|o| !o.is_none()) {
+            None => Vec::new(),
+            Some(o) => conv_all(&ints(o, "group_windows")?, "group_windows")?,
+        };
         cfg.eos_token_id = or_default(eos_token_id, None, |o| {
             count(o, "eos_token_id", i64::from(u32::MAX)).map(Some)
         })?;
@@ -319,7 +325,12 @@ impl PyScheduler {
 
     fn schedule(&self, py: Python<'_>) -> PyResult<PyStepPlan> {
         let plan = self.inner.detached(py, |s| s.schedule())??;
-        PyStepPlan::new(py, plan, self.cfg.block_size as usize)
+        PyStepPlan::new(
+            py,
+            plan,
+            self.cfg.block_size as usize,
+            self.cfg.group_windows.len(),
+        )
     }
 
     fn update(
@@ -454,6 +465,11 @@ impl PyScheduler {
     #[getter]
     fn sliding_window(&self) -> u32 {
         self.cfg.sliding_window
+    }
+
+    #[getter]
+    fn group_windows(&self) -> Vec<u32> {
+        self.cfg.group_windows.clone()
     }
 
     #[getter]

@@ -41,7 +41,7 @@ mod window_tests;
 
 use std::collections::{BTreeMap, HashMap};
 
-pub use config::{Policy, SchedulerConfig};
+pub use config::{group_kv_id, Policy, SchedulerConfig, MAX_GROUPS};
 pub use step::StepPlan;
 
 use crate::error::{KvError, KvResult};
@@ -230,13 +230,13 @@ impl Scheduler {
         // copy-on-write when its prefix hit ends inside a block.
         let longest = (r.prompt.len() + r.max_tokens as usize).min(max_len) - 1;
         let usable = (self.cfg.num_blocks - 1 - self.watermark_blocks) as usize;
-        if self.cfg.blocks_for(longest) + 1 > usable {
+        if self.cfg.blocks_for(longest) * self.cfg.num_groups() + 1 > usable {
             return Err(KvError::TooLong(format!(
                 "request {}: up to {} tokens need {} blocks (+1 spare); the pool has {} beside \
                  the watermark",
                 r.id,
                 longest,
-                self.cfg.blocks_for(longest),
+                self.cfg.blocks_for(longest) * self.cfg.num_groups(),
                 usable
             )));
         }
@@ -274,8 +274,7 @@ impl Scheduler {
             ignore_eos: r.ignore_eos,
             stop_token_ids: r.stop_token_ids,
             retention: r.retention,
-            exact_cursor: 0,
-            lossy_cursor: 0,
+            cursors: vec![(0, 0); self.cfg.num_groups()],
             peak_blocks: 0,
         };
         let idx = self.alloc_slot(seq);
@@ -350,6 +349,7 @@ impl Scheduler {
                         let done = seq.num_computed - seq.num_inflight;
                         self.kv
                             .free(seq.kv_id, self.cache_tokens(&seq.tokens[..done]))?;
+                        self.free_groups(seq.kv_id)?;
                         self.running_slots -= seq.slots();
                         removed_running = true;
                     }

@@ -122,7 +122,10 @@ impl Scheduler {
                 debug_assert!(!done);
                 continue;
             }
-            self.kv.fork(self.seq(parent).kv_id, child.kv_id)?;
+            for g in 0..self.cfg.num_groups() {
+                let p = super::group_kv_id(self.seq(parent).kv_id, g);
+                self.kv.fork(p, super::group_kv_id(child.kv_id, g))?;
+            }
             let idx = self.alloc_slot(child);
             self.requests
                 .get_mut(&req_id)
@@ -154,6 +157,7 @@ impl Scheduler {
             seq.kv_id,
             self.cache_tokens(&seq.tokens[..seq.num_computed]),
         )?;
+        self.free_groups(seq.kv_id)?;
         self.running_slots -= seq.slots();
         let entry = self.requests.get_mut(&seq.req_id).expect("live request");
         entry.seqs.retain(|&i| i != idx);

@@ -19,11 +19,31 @@ fn cfg(num_blocks: u32, bs: u32, window: u32) -> SchedulerConfig {
     c
 }
 
-/// The logical blocks a row's first query may read that are missing (null) in the plan.
-fn check_visible(p: &StepPlan, r: usize, bs: usize, window: usize, ret: Option<Retention>) {
-    let q0 = (p.seq_lens[r] - (p.query_start_loc[r + 1] - p.query_start_loc[r])) as usize;
+/// Row `r` of group `g`'s block table (group 0: `block_table`).
+fn group_row(p: &StepPlan, g: usize, r: usize, bs: usize) -> &[i32] {
     let nb = (p.seq_lens[r] as usize).div_ceil(bs);
-    let row = &p.block_table[r * p.max_blocks..r * p.max_blocks + nb];
+    if g == 0 {
+        return &p.block_table[r * p.max_blocks..r * p.max_blocks + nb];
+    }
+    let at = ((g - 1) * p.num_reqs() + r) * p.max_blocks;
+    &p.group_block_table[at..at + nb]
+}
+
+/// Asserts that no block a row's first query may read is missing (null) in the plan.
+fn check_visible(p: &StepPlan, r: usize, bs: usize, window: usize, ret: Option<Retention>) {
+    check_visible_in(p, 0, r, bs, window, ret)
+}
+
+fn check_visible_in(
+    p: &StepPlan,
+    g: usize,
+    r: usize,
+    bs: usize,
+    window: usize,
+    ret: Option<Retention>,
+) {
+    let q0 = (p.seq_lens[r] - (p.query_start_loc[r + 1] - p.query_start_loc[r])) as usize;
+    let row = group_row(p, g, r, bs);
     for (i, &b) in row.iter().enumerate() {
         let by_window = window > 0 && (i + 1) * bs <= q0 + 1 - window.min(q0 + 1);
         let by_policy = ret.is_some_and(|rt| {
@@ -124,6 +144,25 @@ fn release_lets_more_sequences_run_at_once() {
     assert!(win.stats().peak_seq_blocks < full.stats().peak_seq_blocks);
 }
 
+fn check_group_slots(p: &StepPlan, bs: usize, groups: usize) {
+    let n = p.num_tokens();
+    assert_eq!(p.group_slot_mapping.len(), (groups - 1) * n);
+    for g in 1..groups {
+        for r in 0..p.num_reqs() {
+            let row = group_row(p, g, r, bs);
+            for t in p.query_start_loc[r] as usize..p.query_start_loc[r + 1] as usize {
+                let pos = p.positions[t] as usize;
+                let b = i64::from(row[pos / bs]);
+                assert_ne!(b, 0, "group {g}: a token in the null block");
+                assert_eq!(
+                    p.group_slot_mapping[(g - 1) * n + t],
+                    b * bs as i64 + (pos % bs) as i64
+                );
+            }
+        }
+    }
+}
+
 fn run(c: SchedulerConfig, reqs: Vec<NewRequest>, abort_at: Option<(usize, u64)>) {
     let mut s = Scheduler::new(c.clone()).unwrap();
     let bs = c.block_size as usize;
@@ -133,8 +172,16 @@ fn run(c: SchedulerConfig, reqs: Vec<NewRequest>, abort_at: Option<(usize, u64)>
             added.insert(r.id, r);
         }
     }
-    // Per sequence (request, sample): logical blocks seen released.
-    let mut released: HashMap<(i64, i32), HashSet<usize>> = HashMap::new();
+    // Per sequence (request, sample) and group: logical blocks seen released.
+    let mut released: HashMap<(i64, i32, usize), HashSet<usize>> = HashMap::new();
+    let groups = c.num_groups();
+    let window = |g: usize| {
+        if g == 0 {
+            c.sliding_window as usize
+        } else {
+            c.group_windows[g - 1] as usize
+        }
+    };
     let mut preemptions = 0;
     let mut done = 0;
     for step in 0..5_000 {
@@ -153,22 +200,36 @@ fn run(c: SchedulerConfig, reqs: Vec<NewRequest>, abort_at: Option<(usize, u64)>
             preemptions = s.stats().num_preemptions;
             released.clear(); // recompute: released blocks are computed again
         }
+        check_group_slots(&p, bs, groups);
+        let mut in_step = HashSet::new();
         for r in 0..p.num_reqs() {
-            let key = (p.req_ids[r], p.seq_index[r]);
             let ret = added[&(p.req_ids[r] as u64)].retention;
-            check_visible(&p, r, bs, c.sliding_window as usize, ret);
-            let nb = (p.seq_lens[r] as usize).div_ceil(bs);
-            let row = &p.block_table[r * p.max_blocks..r * p.max_blocks + nb];
-            let seen = released.entry(key).or_default();
-            for &i in seen.iter() {
-                assert_eq!(row[i], 0, "{key:?}: released block {i} is back in a row");
+            for g in 0..groups {
+                let key = (p.req_ids[r], p.seq_index[r], g);
+                check_visible_in(&p, g, r, bs, window(g), ret);
+                let row = group_row(&p, g, r, bs);
+                let seen = released.entry(key).or_default();
+                for &i in seen.iter() {
+                    assert_eq!(row[i], 0, "{key:?}: released block {i} is back in a row");
+                }
+                seen.extend(
+                    row.iter()
+                        .enumerate()
+                        .filter(|(_, &b)| b == 0)
+                        .map(|(i, _)| i),
+                );
+                // A block this step writes belongs to one (request, group) only.
+                let qs = p.query_start_loc[r] as usize..p.query_start_loc[r + 1] as usize;
+                for t in qs {
+                    in_step.insert((row[p.positions[t] as usize / bs], key));
+                }
             }
-            seen.extend(
-                row.iter()
-                    .enumerate()
-                    .filter(|(_, &b)| b == 0)
-                    .map(|(i, _)| i),
-            );
+        }
+        let mut owner = HashMap::new();
+        for (b, key) in in_step {
+            if let Some(k) = owner.insert(b, key) {
+                assert_eq!(k, key, "block {b} written by {k:?} and {key:?}");
+            }
         }
         for f in s.update(p.step_id, &fake_sample(&p)).unwrap() {
             let r = &added[&f.req_id];
@@ -207,6 +268,7 @@ proptest! {
         (num_blocks, bs, budget, thr) in (24u32..80, prop_oneof![Just(1u32), Just(2), Just(4)],
                                           1u32..24, 0u32..6),
         (window, mode) in (prop_oneof![Just(0u32), 1u32..24], 0usize..3),
+        groups in prop::collection::vec(1u32..24, 0..3),
         reqs in prop::collection::vec(request(), 1..8),
         abort_at in proptest::option::of((0usize..40, 0u64..8)),
     ) {
@@ -217,6 +279,9 @@ proptest! {
         c.prefix_mode = [PrefixMode::Off, PrefixMode::Radix, PrefixMode::Hash][mode];
         c.max_model_len = 96;
         c.watermark = 0.0;
+        if mode == 0 {
+            c.group_windows = groups; // groups run without the prefix cache
+        }
         let shared: Vec<u32> = (0..30).map(|i| 700 + i).collect();
         let reqs = reqs
             .into_iter()
@@ -235,4 +300,43 @@ proptest! {
             .collect();
         run(c, reqs, abort_at);
     }
+}
+
+#[test]
+fn a_hybrid_model_holds_its_global_group_and_a_window_per_local_group() {
+    // Group 0 global (no window), groups 1 and 2 local with an 8-token window, blocks of 4.
+    let mut c = cfg(128, 4, 0);
+    c.prefix_mode = PrefixMode::Off;
+    c.group_windows = vec![8, 8];
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_requests(vec![NewRequest::new(1, (1..=10).collect(), 50)])
+        .unwrap();
+    let mut out = HashMap::new();
+    while s.has_unfinished() {
+        let p = super::tests::step(&mut s, &mut out);
+        check_group_slots(&p, 4, 3);
+        for g in 1..3 {
+            check_visible_in(&p, g, 0, 4, 8, None);
+            assert!(group_row(&p, g, 0, 4).iter().filter(|&&b| b != 0).count() <= 4);
+        }
+        assert!(
+            group_row(&p, 0, 0, 4).iter().all(|&b| b != 0),
+            "the global group keeps all"
+        );
+    }
+    let want = expected_output(&(1..=10).collect::<Vec<_>>(), 0, 50);
+    assert_eq!(out[&(1, 0)].0, want);
+    // 59 tokens of KV: 15 global blocks + at most 4 (prefill: 3 + 1) per local group.
+    assert!(
+        s.stats().peak_seq_blocks <= 15 + 2 * 4,
+        "{}",
+        s.stats().peak_seq_blocks
+    );
+    assert_eq!(s.kv().num_free_blocks(), 127);
+    let mut bad = cfg(128, 4, 0);
+    bad.group_windows = vec![8]; // with the radix prefix cache
+    assert!(matches!(
+        Scheduler::new(bad),
+        Err(KvError::InvalidArgument(_))
+    ));
 }
