@@ -192,3 +192,27 @@ def test_hybrid_groups_are_exact_and_hold_fewer_blocks():
     assert plain.engine.scheduler.stats().peak_seq_blocks == full
     assert grouped.engine.scheduler.stats().peak_seq_blocks <= full + 4 + 24 // 4 + 1 < 2 * full
     assert grouped.engine.scheduler.stats().num_released_blocks > 0
+
+
+def test_scheduler_takes_drops_through_update():
+    from kvcore import _kvcore
+
+    s = _kvcore.Scheduler(64, block_size=4, max_num_batched_tokens=8, prefix_mode="off")
+    s.add_request(1, np.arange(1, 17), 4, ignore_eos=True)
+    p = s.schedule()
+    s.update(p.step_id, np.zeros(len(p.logits_indices), np.int64))
+    p = s.schedule()
+    sampled = np.zeros(len(p.logits_indices), np.int64)
+    for bad in ([0, 2], [0], [3, 0], [0, -1]):  # written this step, odd, no row, negative
+        with pytest.raises(InvalidArgumentError):
+            s.update(p.step_id, sampled, drop_blocks=np.asarray(bad, np.int64))
+    s.update(p.step_id, sampled, drop_blocks=np.asarray([0, 1], np.int64))
+    assert s.stats().num_released_blocks == 1
+    p = s.schedule()
+    assert p.block_table[0, 1] == 0 and p.group_block_table.shape == (0, 1, p.block_table.shape[1])
+    s.update(p.step_id, np.zeros(len(p.logits_indices), np.int64))
+    while s.has_unfinished():
+        p = s.schedule()
+        s.update(p.step_id, np.zeros(len(p.logits_indices), np.int64))
+    s.check_invariants()
+    assert s.stats().num_free_blocks == 63

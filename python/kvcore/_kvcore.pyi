@@ -624,13 +624,22 @@ class Scheduler:
         """Plans the next step (``InvalidArgumentError`` while a step awaits ``update``)."""
 
     def update(
-        self, step_id: int, sampled_token_ids: NDArray[np.int32] | NDArray[np.int64]
+        self,
+        step_id: int,
+        sampled_token_ids: NDArray[np.int32] | NDArray[np.int64],
+        drop_blocks: _Ints | None = None,
     ) -> StepOutput:
         """Appends ``sampled_token_ids[k]`` (1-D ``int32``/``int64``, length ``num_sampled``)
         to sample ``k`` of the plan, applies the stop rules (stop ids, EOS unless ignored,
         ``max_tokens``, ``max_model_len``) and returns the finished samples. ``StaleStepError``
         for a step that is not outstanding (stale or repeated); ``InvalidArgumentError`` for a
-        wrong length, dtype or token id."""
+        wrong length, dtype or token id.
+
+        ``drop_blocks`` (a caller-side policy such as H2O): flat ``(plan row, logical block)``
+        pairs; each must be a full block its row's sequence computed before this step, else
+        ``InvalidArgumentError`` and nothing changes. The blocks are released after the tokens
+        are applied, in every KV cache group, as a lossy drop (the sequence publishes nothing to
+        the prefix cache from then on); rows that finished or were aborted are skipped."""
 
     def stats(self) -> SchedulerStats:
         """Gauges and counters now."""

@@ -333,15 +333,29 @@ impl PyScheduler {
         )
     }
 
+    #[pyo3(signature = (step_id, sampled_token_ids, drop_blocks=None))]
     fn update(
         &self,
         py: Python<'_>,
         step_id: &Bound<'_, PyAny>,
         sampled_token_ids: &Bound<'_, PyAny>,
+        drop_blocks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyStepOutput> {
         let step: u64 = count(step_id, "step_id", i64::MAX)?;
         let toks = sampled_tokens(sampled_token_ids)?;
-        let fs = self.inner.detached(py, |s| s.update(step, &toks))??;
+        let drops: Vec<usize> = match drop_blocks.filter(|o| !o.is_none()) {
+            None => Vec::new(),
+            Some(o) => conv_all(&ints(o, "drop_blocks")?, "drop_blocks")?,
+        };
+        if drops.len() % 2 != 0 {
+            return Err(invalid(
+                "drop_blocks holds (row, block) pairs: an even number of ints".into(),
+            ));
+        }
+        let pairs: Vec<(usize, usize)> = drops.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+        let fs = self
+            .inner
+            .detached(py, |s| s.update_with_drops(step, &toks, &pairs))??;
         PyStepOutput::new(py, fs)
     }
 

@@ -340,3 +340,38 @@ fn a_hybrid_model_holds_its_global_group_and_a_window_per_local_group() {
         Err(KvError::InvalidArgument(_))
     ));
 }
+
+#[test]
+fn caller_drops_go_back_through_update() {
+    let mut s = Scheduler::new(cfg(64, 4, 0)).unwrap();
+    s.add_requests(vec![NewRequest::new(1, (1..=16).collect(), 8)])
+        .unwrap();
+    let p = s.schedule().unwrap(); // 8 tokens: blocks 0, 1
+    s.update(p.step_id, &fake_sample(&p)).unwrap();
+    let p = s.schedule().unwrap(); // 8 more: blocks 2, 3 (written this step)
+    let free = s.kv().num_free_blocks();
+    let bad = s.update_with_drops(p.step_id, &fake_sample(&p), &[(0, 2)]);
+    assert!(matches!(bad, Err(KvError::InvalidArgument(_))));
+    assert!(matches!(
+        s.update_with_drops(p.step_id, &fake_sample(&p), &[(1, 0)]),
+        Err(KvError::InvalidArgument(_))
+    ));
+    assert_eq!(
+        s.outstanding_step(),
+        Some(p.step_id),
+        "a refused drop changes nothing"
+    );
+    s.update_with_drops(p.step_id, &fake_sample(&p), &[(0, 1), (0, 1)])
+        .unwrap();
+    assert_eq!(s.kv().num_free_blocks(), free + 1);
+    assert_eq!(s.stats().num_released_blocks, 1);
+    let p = s.schedule().unwrap();
+    assert_eq!(
+        p.block_table[1], 0,
+        "the dropped block is gone from the row"
+    );
+    s.update(p.step_id, &fake_sample(&p)).unwrap();
+    let out = drain(&mut s, 100);
+    assert_eq!(out[&(1, 0)].0.len(), 8);
+    assert_eq!(s.kv().num_free_blocks(), 63);
+}
