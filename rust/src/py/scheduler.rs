@@ -89,7 +89,7 @@ impl PyScheduler {
             long_prefill_token_threshold=0, watermark=0.01, eos_token_id=None, \
             enable_chunked_prefill=True, host_blocks=0, tier_fetch=False, tier_publish=False, \
             tier_root=None, bytes_per_block=1, preemption='recompute', sliding_window=0, \
-            group_windows=())"
+            group_windows=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
