@@ -296,6 +296,15 @@ class StepPlan:
         the null block 0; ``max_blocks`` is the largest ``ceil(seq_lens / block_size)``."""
 
     @property
+    def group_block_table(self) -> NDArray[np.int32]:
+        """``[G - 1, num_reqs, max_blocks]`` block tables of the extra KV cache groups
+        (``group_windows``), laid out like ``block_table``; ``G - 1 = 0`` without groups."""
+
+    @property
+    def group_slot_mapping(self) -> NDArray[np.int64]:
+        """``[G - 1, num_tokens]`` each token's slot in each extra group's table."""
+
+    @property
     def copy_ops(self) -> NDArray[np.int32]:
         """``[n, 2]`` (src, dst) block pairs to copy, in order, before the forward
         (copy-on-write of shared partial blocks)."""
@@ -416,6 +425,10 @@ class StepOutput:
     def token_ids(self) -> NDArray[np.int64]:
         """All output tokens, entry after entry."""
 
+    @property
+    def peak_blocks(self) -> NDArray[np.int64]:
+        """``[F]`` most KV blocks the sample held at once (retention bounds it)."""
+
     def outputs(self) -> list[tuple[int, int, str, list[int]]]:
         """``[(req_id, seq_index, finish_reason, token_ids)]`` (convenience, builds lists)."""
 
@@ -477,6 +490,14 @@ class SchedulerStats:
     def num_finished(self) -> int:
         """Samples finished since start (aborted ones included)."""
 
+    @property
+    def num_released_blocks(self) -> int:
+        """Blocks released by retention (sliding windows, lossy policies) since start."""
+
+    @property
+    def peak_seq_blocks(self) -> int:
+        """Most blocks any one sequence held at once since start."""
+
 @final
 class Scheduler:
     """The continuous-batching scheduler over a paged KV cache (Rust).
@@ -523,6 +544,8 @@ class Scheduler:
         tier_root: bytes | None = None,
         bytes_per_block: int = 1,
         preemption: str = "recompute",
+        sliding_window: int = 0,
+        group_windows: _Ints | None = None,
     ) -> Self:
         """``num_blocks`` includes the null block; ``prefix_mode`` is ``"radix"``, ``"hash"``
         (xxh3-128), ``"hash_sha256"`` or ``"off"`` (hash modes compare token ids on a match);
@@ -537,7 +560,15 @@ class Scheduler:
         ``tier_fetched``); ``tier_publish`` writes newly cached blocks through (``TierPlan.
         publish``); ``tier_root`` (32 bytes) roots the key chain; ``preemption`` is
         ``"recompute"``, ``"swap"`` or ``"auto"`` (swap when ``bytes_per_block`` times the blocks
-        over the measured copy bandwidth costs less than recomputing the computed tokens)."""
+        over the measured copy bandwidth costs less than recomputing the computed tokens).
+
+        ``sliding_window`` (tokens; 0: off) is the window of *every* attention layer: blocks
+        wholly behind it are released as sequences grow (exact), and their block-table entries
+        become the null block 0 (positions stay logical; see docs/retention.md).
+        ``group_windows`` (tokens; 0: full attention) adds one KV cache group per entry for hybrid
+        models: every sequence gets one more block table per group, released behind that window
+        (``StepPlan.group_block_table``), while ``block_table`` (group 0, the global layers)
+        follows ``sliding_window``; groups need ``prefix_mode="off"`` and no tiers."""
 
     def add_requests(
         self,
@@ -552,6 +583,8 @@ class Scheduler:
         ignore_eos: bool | Sequence[bool] | NDArray[np.bool_] | None = None,
         stop_token_ids: _Ints | None = None,
         stop_offsets: _Ints | None = None,
+        retention_sink: int | _Ints | None = None,
+        retention_window: int | _Ints | None = None,
     ) -> None:
         """Adds ``R = len(req_ids)`` requests in order, all or none. Request ``i``'s prompt is
         ``prompt_token_ids[prompt_offsets[i]:prompt_offsets[i + 1]]`` (``prompt_offsets`` has
@@ -559,7 +592,12 @@ class Scheduler:
         every request. ``DuplicateRequestError`` for an id in use; ``TooLongError`` for a prompt
         of ``max_model_len`` tokens or more, or a request whose longest run cannot fit in the
         pool; ``InvalidArgumentError`` for empty prompts, zero ``max_tokens`` or ``n``, ``n >
-        max_num_seqs``, bad shapes or values."""
+        max_num_seqs``, bad shapes or values.
+
+        ``retention_window > 0`` (blocks) gives a request a lossy policy: it keeps its first
+        ``retention_sink`` blocks and the ``retention_window`` full blocks before the block
+        being written, releases the rest as it grows (null entries in its block-table rows) and
+        publishes nothing to the prefix cache after its first drop. 0 (default): keep all."""
 
     def add_request(
         self,
@@ -572,6 +610,8 @@ class Scheduler:
         n: int = 1,
         ignore_eos: bool = False,
         stop_token_ids: _Ints | None = None,
+        retention_sink: int = 0,
+        retention_window: int = 0,
     ) -> None:
         """Adds one request (``add_requests`` for one)."""
 
@@ -584,13 +624,22 @@ class Scheduler:
         """Plans the next step (``InvalidArgumentError`` while a step awaits ``update``)."""
 
     def update(
-        self, step_id: int, sampled_token_ids: NDArray[np.int32] | NDArray[np.int64]
+        self,
+        step_id: int,
+        sampled_token_ids: NDArray[np.int32] | NDArray[np.int64],
+        drop_blocks: _Ints | None = None,
     ) -> StepOutput:
         """Appends ``sampled_token_ids[k]`` (1-D ``int32``/``int64``, length ``num_sampled``)
         to sample ``k`` of the plan, applies the stop rules (stop ids, EOS unless ignored,
         ``max_tokens``, ``max_model_len``) and returns the finished samples. ``StaleStepError``
         for a step that is not outstanding (stale or repeated); ``InvalidArgumentError`` for a
-        wrong length, dtype or token id."""
+        wrong length, dtype or token id.
+
+        ``drop_blocks`` (a caller-side policy such as H2O): flat ``(plan row, logical block)``
+        pairs; each must be a full block its row's sequence computed before this step, else
+        ``InvalidArgumentError`` and nothing changes. The blocks are released after the tokens
+        are applied, in every KV cache group, as a lossy drop (the sequence publishes nothing to
+        the prefix cache from then on); rows that finished or were aborted are skipped."""
 
     def stats(self) -> SchedulerStats:
         """Gauges and counters now."""
@@ -651,6 +700,14 @@ class Scheduler:
     @property
     def eos_token_id(self) -> int | None:
         """The EOS token id, if any."""
+
+    @property
+    def sliding_window(self) -> int:
+        """The model-wide sliding window whose blocks are released (0: none)."""
+
+    @property
+    def group_windows(self) -> list[int]:
+        """Windows of the extra KV cache groups (empty: one group)."""
 
     @property
     def outstanding_step(self) -> int | None:

@@ -53,6 +53,11 @@ class AttentionContext:
     query_start_loc: torch.Tensor | None = None  # int32 [num_reqs + 1] (op path)
     seq_lens: torch.Tensor | None = None  # int32 [num_reqs], carries the plan (op path)
     block_table: torch.Tensor | None = None  # int32 [num_reqs, width] (op path)
+    # KV cache groups (kvcore.retention_engine.KvGroups): layer -> group; group k > 0 reads
+    # group_metas[k - 1] and writes group_slots[k - 1] (group 0: meta and slot_mapping)
+    layer_group: Any = None
+    group_metas: Any = None
+    group_slots: Any = None
 
 
 def kvcore_attention(
@@ -101,13 +106,17 @@ def kvcore_attention(
             backend=ctx.backend,
         )
         return out.unsqueeze(0), None
+    meta, slots = ctx.meta, ctx.slot_mapping
+    if ctx.layer_group is not None and ctx.layer_group[layer_idx]:
+        group = ctx.layer_group[layer_idx]
+        meta, slots = ctx.group_metas[group - 1], ctx.group_slots[group - 1]
     # A QuantKVCache is quantized on write (the kernels dispatch on the cache type); KIVI's
     # residual plan reads the step's metadata.
-    kvcore_kernels.store_kv(k, v, cache, ctx.slot_mapping, backend=ctx.backend, meta=ctx.meta)
+    kvcore_kernels.store_kv(k, v, cache, slots, backend=ctx.backend, meta=meta)
     out = kvcore_kernels.paged_attention(
         q,
         cache,
-        ctx.meta,
+        meta,
         scale=scaling,
         sliding_window=sliding_window,
         soft_cap=softcap,

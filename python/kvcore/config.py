@@ -148,6 +148,11 @@ class CacheConfig:
     # chained hash of prefix_caching="hash": xxh3 (128-bit, fast) or sha256 (collision-resistant);
     # either way a hash match reuses a block only when its token ids are equal
     prefix_hash: str = "xxh3"
+    # ---- retention (docs/retention.md). The engine's default policy for requests: "full"
+    # (exact, keep every block), "window:W" or "sink:S+window:W" (lossy, opt-in).
+    retention: str = "full"
+    # Release blocks wholly behind the sliding window when every layer has one (exact).
+    sliding_window_release: bool = True
 
     def _check_tiers(self) -> None:
         if not (_is_int(self.host_kv_bytes) and self.host_kv_bytes >= 0):
@@ -180,6 +185,13 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         self._check_tiers()
+        from kvcore.retention import parse_retention
+
+        parse_retention(self.retention)  # RetentionError (an InvalidArgumentError) when bad
+        if not isinstance(self.sliding_window_release, bool):
+            raise InvalidArgumentError(
+                f"sliding_window_release must be a bool, got {self.sliding_window_release!r}"
+            )
         bs = self.block_size
         if not (_is_int(bs) and 1 <= bs <= 256 and bs & (bs - 1) == 0):
             raise InvalidArgumentError(f"block_size must be a power of two in [1, 256], got {bs!r}")

@@ -53,6 +53,12 @@ from kvcore.models import load_model
 from kvcore.outputs import RequestOutput, SamplingParams
 from kvcore.report import EngineStats
 from kvcore.requests import Request, build_scheduler, salt_namespace, submit
+from kvcore.retention_engine import (
+    RetentionSupport,
+    engine_groups,
+    exact_release_window,
+    kernels_take_null_entries,
+)
 from kvcore.sampler import Sampler
 from kvcore.tiers.build import build_tier_manager, tier_scheduler_args
 
@@ -108,6 +114,14 @@ class LLMEngine(StepLoop):
             reserved = kivi_residual_bytes(config, block_size, kv_dtype, formats, residual_slots)
         except KernelConfigError as e:
             raise InvalidArgumentError(f"kv_format: {e}") from None
+        # Retention (docs/retention.md): policies are checked before anything runs; a hybrid
+        # model's KV cache groups make a block hold one group's layers.
+        self.retention = RetentionSupport(cc.retention, block_size, formats, config)
+        self.sliding_window = exact_release_window(config, cc.sliding_window_release, formats)
+        self.kv_groups = engine_groups(config, cc, formats)
+        if self.kv_groups is not None:
+            g = self.kv_groups.size
+            bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, formats[:g])
         num_blocks = cc.resolve_num_blocks(bytes_per_block, dev, reserved)
         self.eos_token_ids = eos_ids(self.model, self.tokenizer)
         tier_args, codec = tier_scheduler_args(cc, sc, self.model, bytes_per_block, formats)
@@ -117,6 +131,8 @@ class LLMEngine(StepLoop):
             self.scheduler_config,
             self.max_model_len,
             self.eos_token_ids[0] if self.eos_token_ids else None,
+            sliding_window=self.sliding_window,
+            group_windows=None if self.kv_groups is None else list(self.kv_groups.windows[1:]),
             **tier_args,
         )
         try:
@@ -134,9 +150,13 @@ class LLMEngine(StepLoop):
                 compile=compile,
                 max_num_seqs=sc.max_num_seqs,
                 max_model_len=self.max_model_len,
+                kv_groups=self.kv_groups,
             )
         except KernelConfigError as e:  # e.g. int4 on a head dim that is not a multiple of 32
             raise InvalidArgumentError(f"kv_format {cc.kv_format!r}: {e}") from None
+        # Kernels that cannot take null entries get the released ones filled (never read).
+        releases = self.sliding_window > 0 or self.kv_groups is not None
+        self.runner.fill_released = releases and not kernels_take_null_entries()
         self.tiers = None  # KV tiers (kvcore.tiers): L2 host, L3 disk, L4 Redis
         if codec is not None:
             self.tiers = build_tier_manager(
@@ -166,12 +186,15 @@ class LLMEngine(StepLoop):
         priority: int | Sequence[int] | None = None,
         stream: bool = False,
         cache_salt: str | Sequence[str | None] | None = None,
+        retention: str | Sequence[str | None] | None = None,
         _sink: Callable[[RequestOutput], None] | None = None,
     ) -> list[str]:
         """Validate and queue a batch of requests (all or none); returns their request ids.
 
         ``cache_salt`` (one for all, or one per prompt) is the request's prefix-cache
         namespace: requests with different salts never share a prefix hit (tenant isolation).
+        ``retention`` (one for all, or one per prompt; None: the engine's ``retention``) is the
+        request's retention policy (``"full"``, ``"window:W"``, ``"sink:S+window:W"``).
         """
         if isinstance(prompts, str) or not isinstance(prompts, Sequence):
             raise InvalidArgumentError("prompts must be a list (use add_request for one)")
@@ -184,6 +207,7 @@ class LLMEngine(StepLoop):
             raise InvalidArgumentError("request_ids must be unique, one per prompt")
         prios = priorities(priority, n)
         namespaces = [salt_namespace(x) for x in broadcast(cache_salt, n, "cache_salt")]
+        kept = self.retention.blocks(self.retention.resolve(retention, n))
         built = []
         for prompt, p in zip(prompts, plist, strict=True):
             text, tokens = prompt_ids(self.tokenizer, prompt)
@@ -213,6 +237,7 @@ class LLMEngine(StepLoop):
                 prios,
                 self.eos_token_ids,
                 namespaces,
+                kept,
             )
             for i, rid, (text, tokens, p) in zip(internal, ids, built, strict=True):
                 req = Request.create(
@@ -233,6 +258,7 @@ class LLMEngine(StepLoop):
         priority: int = 0,
         stream: bool = False,
         cache_salt: str | None = None,
+        retention: str | None = None,
         _sink: Callable[[RequestOutput], None] | None = None,
     ) -> str:
         """Queue one request; returns its request id."""
@@ -245,6 +271,7 @@ class LLMEngine(StepLoop):
             priority=[priority],
             stream=stream,
             cache_salt=[cache_salt],
+            retention=[retention],
             _sink=_sink,
         )[0]
 

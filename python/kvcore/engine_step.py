@@ -49,12 +49,21 @@ class StepLoop:
         def add_request(self, prompt: Any, params: Any = None, **kwargs: Any) -> str: ...
 
     def _abort_locked(self, internal: list[int], error: str | None = None) -> list[RequestOutput]:
-        self.scheduler.abort_requests(np.asarray(internal, np.int64))
+        self._note_peaks(self.scheduler.abort_requests(np.asarray(internal, np.int64)))
         now = time.perf_counter()
         for i in internal:
             self._requests[i].finish_all("abort", now)
             self._requests[i].error = error
         return [self._retire(i, now) for i in internal]
+
+    def _note_peaks(self, fin: Any) -> None:
+        """Each finished sample's peak KV blocks into its request (``peak_kv_blocks``)."""
+        if not fin.num_finished:
+            return
+        for rid, peak in zip(fin.req_ids.tolist(), fin.peak_blocks.tolist(), strict=True):
+            req = self._requests.get(rid)
+            if req is not None:
+                req.peak_kv_blocks = max(req.peak_kv_blocks, int(peak))
 
     def _abort_later(self, request_id: str) -> None:
         """Abort ``request_id`` if it is still running: now when the engine is free, else at
@@ -169,6 +178,7 @@ class StepLoop:
         touched = Request.record(reqs, sample_rids, rows, out, now)
         done = set()  # requests the scheduler no longer holds
         if fin.num_finished:
+            self._note_peaks(fin)
             for rid, index, reason, toks in fin.outputs():
                 reqs[rid].finish_sample(index, reason, toks, now)
             done.update(fin.req_ids[fin.request_done].tolist())
@@ -177,7 +187,7 @@ class StepLoop:
         # see: abort them there so their blocks come back now.
         ended = [i for i in dict.fromkeys(touched) if i not in done and reqs[i].all_finished()]
         if ended:
-            self.scheduler.abort_requests(np.asarray(ended, np.int64))
+            self._note_peaks(self.scheduler.abort_requests(np.asarray(ended, np.int64)))
             done.update(ended)
         outputs = [self._retire(i, now) for i in done]
         for i in dict.fromkeys(touched):

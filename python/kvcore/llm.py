@@ -69,6 +69,8 @@ class LLM:
         remote_url: str | None = None,
         preemption: str = "auto",
         prefix_hash: str = "xxh3",
+        retention: str = "full",
+        sliding_window_release: bool = True,
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         dtype: str | torch.dtype = "auto",
@@ -92,6 +94,8 @@ class LLM:
             disk_bytes=disk_bytes,
             remote_url=remote_url,
             prefix_hash=prefix_hash,
+            retention=retention,
+            sliding_window_release=sliding_window_release,
         )
         scheduler_config = scheduler_config or SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -133,8 +137,10 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        retention: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt; outputs in prompt order.
+        """Complete every prompt; outputs in prompt order. ``retention``: one policy for all
+        or one per prompt (None: the engine's ``retention``; see docs/retention.md).
 
         Safe to call from several threads at once on one ``LLM``: their requests share the
         engine's steps and each call returns its own outputs. If the call is interrupted
@@ -151,7 +157,9 @@ class LLM:
             if out.finished:
                 arrivals.append(out)
 
-        ids = self.engine.add_requests(plist, sampling_params, priority=priority, _sink=sink)
+        ids = self.engine.add_requests(
+            plist, sampling_params, priority=priority, retention=retention, _sink=sink
+        )
         try:
             self._run(ids, arrivals, results, use_tqdm)
         except BaseException:

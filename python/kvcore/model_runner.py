@@ -61,6 +61,7 @@ from kvcore.mla import (
     install_mla,
     is_mla_config,
 )
+from kvcore.retention_engine import fill_released
 from kvcore.windows import layer_windows
 
 logger = logging.getLogger("kvcore")
@@ -91,6 +92,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         compile_backend: str = "inductor",
+        kv_groups: Any = None,
     ):
         self.model = model
         # "cuda" and "cuda:0" are one device: compare normalised forms only.
@@ -130,23 +132,33 @@ class ModelRunner:
                 kivi_window=kivi_window,
             )
         else:
-            self.kv_caches = [
+            # KV cache groups (kvcore.retention_engine.KvGroups): one tensor per position in a
+            # group, shared by the groups' layers, each through its own group's block table.
+            slots = list(kv_groups.layer_slot) if kv_groups is not None else range(num_layers)
+            tensors = [
                 kvcore_kernels.allocate_kv_cache(
                     num_blocks, block_size, num_kv_heads, head_dim, self.kv_dtype, self.device
                 )
-                for _ in range(num_layers)
+                for _ in range(max(slots) + 1 if num_layers else 0)
             ]
+            self.kv_caches = [tensors[s] for s in slots]
+        if kv_groups is not None and (self.quantized or self.mla):
+            raise InvalidArgumentError("KV cache groups need model-dtype caches without MLA")
+        self.kv_groups = kv_groups
         use_kvcore_attention(model)
         self.forward_calls = 0
         self._forward_seconds = 0.0  # cumulative time inside the model's forward
         self._pending: list[tuple[Any, Any]] = []  # CUDA events not yet read
         self._pinned: torch.Tensor | None = None
         self.tier_hook: Any = None  # kvcore.tiers.TierManager.apply: tier moves of a plan
+        # Fill released (null) block-table entries before planning (kvcore.retention_engine)
+        self.fill_released = False
+        self._group_step: Any = (None, None, None)  # this step's groups (_plan_groups)
         cuda = self.device.type == "cuda"
         if compile is None:
             compile = COMPILE_BY_DEFAULT.get(self.device.type, False)
         # Quantized caches and MLA latents (their own attention modules) run eagerly.
-        fast = not enforce_eager and not self.quantized and not self.mla
+        fast = not enforce_eager and not self.quantized and not self.mla and kv_groups is None
         self.compile = bool(compile) and fast
         self.use_op = self.compile or (cuda and fast)
         self.compiled = compile_model(model, compile_backend) if self.compile else None
@@ -220,9 +232,10 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes every layer's cache holds (block rows, FP8 scales, KIVI residual pools)."""
+        unique = {id(c): c for c in self.kv_caches}.values()  # groups share tensors
         return sum(
             c.nbytes if isinstance(c, QuantKVCache) else c.numel() * c.element_size()
-            for c in self.kv_caches
+            for c in unique
         )
 
     def apply_copy_ops(self, copy_ops: np.ndarray) -> None:
@@ -248,6 +261,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """One forward (compiled when on); logits [len(keep), vocab]."""
         ctx = AttentionContext(self.kv_caches, slot_mapping, meta, self.backend, self.use_op)
+        if self.kv_groups is not None:
+            ctx.layer_group, ctx.group_metas, ctx.group_slots = self._group_step
         if self.use_op:
             ctx.query_start_loc, ctx.seq_lens = meta.query_start_loc, meta.seq_lens
             ctx.block_table = meta.block_table
@@ -295,6 +310,21 @@ class ModelRunner:
         logits = self._decode_forward(batch, self.decode_buffers.metadata(batch))
         return logits.index_select(0, self._tensor(logits_indices, torch.int64))
 
+    def _plan_groups(self, plan: Any) -> tuple[Any, list[Any], list[torch.Tensor]]:
+        """Attention metadata and slots of the extra KV cache groups of ``plan``."""
+        metas, slots = [], []
+        for k in range(plan.group_block_table.shape[0]):
+            table = plan.group_block_table[k]
+            if self.fill_released:
+                table = fill_released(table, plan.seq_lens, self.block_size)
+            metas.append(
+                kvcore_kernels.plan_attention(
+                    plan.query_start_loc, plan.seq_lens, table, self.block_size, device=self.device
+                )
+            )
+            slots.append(self._tensor(plan.group_slot_mapping[k], torch.int64))
+        return self.kv_groups.layer_group, metas, slots
+
     @torch.inference_mode()
     def execute(self, plan: Any, logits_indices: np.ndarray) -> torch.Tensor:
         """Run ``plan``'s forward; returns logits [len(logits_indices), vocab] (float)."""
@@ -318,14 +348,19 @@ class ModelRunner:
             input_ids, positions, slot_mapping, keep = self._int64_tensors(
                 plan.input_ids, plan.positions, plan.slot_mapping, logits_indices
             )
+            table = plan.block_table
+            if self.fill_released:  # exact windows on kernels without null entries
+                table = fill_released(table, plan.seq_lens, self.block_size)
             # Host arrays: the plan checks and lays them out on the host, then copies once each.
             meta = kvcore_kernels.plan_attention(
                 plan.query_start_loc,
                 plan.seq_lens,
-                plan.block_table,
+                table,
                 self.block_size,
                 device=self.device,
             )
+            if self.kv_groups is not None:
+                self._group_step = self._plan_groups(plan)
             logits = self._forward(input_ids[None], positions[None], slot_mapping, keep, meta)
         if cuda:  # read after the sampler's sync: no sync here
             events[1].record()

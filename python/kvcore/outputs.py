@@ -182,5 +182,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Most KV blocks one of its samples held at once (retention bounds it; set when finished)
+    peak_kv_blocks: int = 0
     # Why the request ended early when not by its own rules: a failed step aborted it
     error: str | None = None

@@ -28,6 +28,8 @@ def build_scheduler(
     sched: SchedulerConfig,
     max_model_len: int,
     eos_token_id: int | None,
+    sliding_window: int = 0,
+    group_windows: list[int] | None = None,
     **tier_args: Any,
 ) -> Any:
     """The Rust scheduler for this engine's cache and limits (``tier_args``: see
@@ -46,6 +48,8 @@ def build_scheduler(
         watermark=sched.watermark,
         eos_token_id=eos_token_id,
         enable_chunked_prefill=sched.enable_chunked_prefill,
+        sliding_window=sliding_window,
+        group_windows=group_windows,
         **tier_args,
     )
 
@@ -58,8 +62,10 @@ def submit(
     priorities: list[int],
     eos_ids: list[int],
     namespaces: list[int] | None = None,
+    retention: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> None:
-    """Add a batch of requests to the scheduler in one call (finish rules included)."""
+    """Add a batch of requests to the scheduler in one call (finish rules included);
+    ``retention``: per request (sink blocks, window blocks) of a lossy policy, 0 for full."""
     stops = []
     for p in params:
         ids = list(p.stop_token_ids or [])
@@ -77,6 +83,8 @@ def submit(
         ignore_eos=[p.ignore_eos for p in params],
         stop_token_ids=np.fromiter((t for st in stops for t in st), np.int64),
         stop_offsets=np.cumsum([0] + [len(st) for st in stops], dtype=np.int64),
+        retention_sink=None if retention is None else retention[0],
+        retention_window=None if retention is None else retention[1],
     )
 
 
@@ -124,6 +132,7 @@ class Request:
     tokenizer: Any
     stream: bool = False
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    peak_kv_blocks: int = 0  # most KV blocks one of its samples held at once
     # Called with each output the engine produces for this request (LLM.generate, stream())
     sink: Callable[[RequestOutput], None] | None = None
     error: str | None = None  # set when a failed step aborted the request
@@ -274,5 +283,6 @@ class Request:
             finished,
             self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            peak_kv_blocks=self.peak_kv_blocks,
             error=self.error,
         )

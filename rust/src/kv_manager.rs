@@ -359,7 +359,7 @@ impl KvManager {
     pub(crate) fn free_checked(&mut self, req: u64, tokens: &[u32]) {
         self.cache_checked(req, tokens);
         let t = self.tables.remove(&req).expect("checked by check_tokens");
-        for &b in t.blocks.iter().rev() {
+        for &b in t.blocks.iter().rev().filter(|&&b| b != NULL_BLOCK) {
             self.pool.decref(b);
         }
         if !self.copy_ops.is_empty() {
@@ -396,8 +396,10 @@ impl KvManager {
             num_cached_blocks: p.num_cached_blocks,
             ns: p.ns,
             tokens: p.tokens[..p.tokens.len().min(p.num_tokens)].to_vec(),
+            num_released: p.num_released,
+            publish_closed: p.publish_closed,
         };
-        for &b in &t.blocks {
+        for &b in t.blocks.iter().filter(|&&b| b != NULL_BLOCK) {
             self.pool.incref(b);
         }
         self.tables.insert(child, t);
@@ -445,10 +447,16 @@ impl KvManager {
         }
         let bs = self.block_size as usize;
         let t = self.tables.get_mut(&req).expect("validated by the caller");
+        if t.publish_closed {
+            return; // thinned by a lossy policy: its KV is not what the tokens would give
+        }
         let n_full = tokens.len() / bs;
         while t.num_cached_blocks < n_full {
             let i = t.num_cached_blocks;
             let b = t.blocks[i];
+            if b == NULL_BLOCK || (i > 0 && t.blocks[i - 1] == NULL_BLOCK) {
+                break; // released before it (or its parent) was published: the chain ends
+            }
             if !self.copy_ops.is_empty() && self.copy_ops.iter().any(|op| op[1] == b) {
                 break; // a pending copy's destination: its KV is not there yet
             }
@@ -485,6 +493,9 @@ impl KvManager {
 
 #[path = "kv_manager_inspect.rs"]
 mod inspect;
+
+#[path = "kv_manager_retention.rs"]
+mod retention;
 
 #[path = "tiers/manager.rs"]
 mod tier_manager;

@@ -133,7 +133,7 @@ impl KvManager {
         for (&req, t) in &self.tables {
             t.check(self.block_size as usize, n)
                 .map_err(|e| KvError::Invariant(format!("request {req}: {e}")))?;
-            for &b in &t.blocks {
+            for &b in t.blocks.iter().filter(|&&b| b != 0) {
                 holders[b as usize] += 1;
             }
         }

@@ -183,6 +183,7 @@ fn scheduler_ids_and_namespaces_stop_below_2_pow_63() {
         n: 1,
         ignore_eos: false,
         stop_token_ids: Vec::new(),
+        retention: None,
     };
     for (id, ns) in [(MAX_ID + 1, 0), (u64::MAX, 0), (1, MAX_ID + 1)] {
         assert!(matches!(

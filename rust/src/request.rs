@@ -58,6 +58,19 @@ pub struct NewRequest {
     pub ignore_eos: bool,
     /// Token ids that stop a sample (the stop token is kept as its last output token).
     pub stop_token_ids: Vec<u32>,
+    /// A lossy retention policy (None: keep every block the model's layers can see).
+    pub retention: Option<Retention>,
+}
+
+/// A lossy, block-granular retention policy (StreamingLLM's sinks + recent window): keep the
+/// first `sink_blocks` blocks and the `window_blocks` full blocks before the block being
+/// written; release the rest as the sequence grows. Never a default (see docs/retention.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    /// Leading blocks always kept (attention sinks); 0 for a plain window.
+    pub sink_blocks: u32,
+    /// Full blocks kept before the block being written (at least 1).
+    pub window_blocks: u32,
 }
 
 impl NewRequest {
@@ -72,6 +85,7 @@ impl NewRequest {
             n: 1,
             ignore_eos: false,
             stop_token_ids: Vec::new(),
+            retention: None,
         }
     }
 
@@ -88,6 +102,12 @@ impl NewRequest {
         if self.max_tokens == 0 {
             return Err(KvError::InvalidArgument(format!(
                 "request {}: max_tokens must be at least 1",
+                self.id
+            )));
+        }
+        if self.retention.is_some_and(|r| r.window_blocks == 0) {
+            return Err(KvError::InvalidArgument(format!(
+                "request {}: a retention window needs at least 1 block",
                 self.id
             )));
         }
@@ -114,6 +134,8 @@ pub struct FinishedSeq {
     pub reason: FinishReason,
     /// True when this was the request's last unfinished sample (the request id is free again).
     pub request_done: bool,
+    /// Most blocks the sample held at once (its parent's prompt blocks included).
+    pub peak_blocks: u32,
 }
 
 /// Order of service: smaller keys are more important (scheduled first, preempted last).
@@ -169,6 +191,13 @@ pub(crate) struct Seq {
     pub ignore_eos: bool,
     /// Copied from the request.
     pub stop_token_ids: Vec<u32>,
+    /// Copied from the request.
+    pub retention: Option<Retention>,
+    /// Per KV cache group: (exact release, lossy policy) have handled the blocks below these
+    /// logical indices.
+    pub cursors: Vec<(usize, usize)>,
+    /// Most blocks held at once.
+    pub peak_blocks: u32,
 }
 
 impl Seq {
@@ -229,6 +258,9 @@ mod tests {
             namespace: 0,
             ignore_eos: false,
             stop_token_ids: vec![99],
+            retention: None,
+            cursors: Vec::new(),
+            peak_blocks: 0,
         }
     }
 

@@ -20,7 +20,7 @@ use super::sched_args::{sampled_tokens, split};
 use super::step_output::{PySchedulerStats, PyStepOutput, PyStepPlan};
 use crate::error::KvError;
 use crate::prefix_cache::PrefixMode;
-use crate::request::NewRequest;
+use crate::request::{NewRequest, Retention};
 use crate::sched::{Policy, Scheduler, SchedulerConfig};
 
 type I64Array = Py<numpy::PyArray1<i64>>;
@@ -59,6 +59,20 @@ fn ignore_flags(obj: Option<&Bound<'_, PyAny>>, k: usize) -> PyResult<Vec<bool>>
     Ok(v)
 }
 
+/// A lossy policy from its block counts: a window of 0 blocks means none (keep everything);
+/// sinks without a window are refused.
+fn retention(sink_blocks: u32, window_blocks: u32) -> PyResult<Option<Retention>> {
+    if window_blocks == 0 && sink_blocks > 0 {
+        return Err(invalid(format!(
+            "retention_sink = {sink_blocks} needs a retention_window of at least 1 block"
+        )));
+    }
+    Ok((window_blocks > 0).then_some(Retention {
+        sink_blocks,
+        window_blocks,
+    }))
+}
+
 #[pymethods]
 impl PyScheduler {
     #[new]
@@ -68,13 +82,14 @@ impl PyScheduler {
             max_model_len=None, prefix_mode=None, policy=None, long_prefill_token_threshold=None,
             watermark=None, eos_token_id=None, enable_chunked_prefill=None, host_blocks=None,
             tier_fetch=None, tier_publish=None, tier_root=None, bytes_per_block=None,
-            preemption=None
+            preemption=None, sliding_window=None, group_windows=None
         ),
         text_signature = "(num_blocks, block_size=16, max_num_batched_tokens=8192, \
             max_num_seqs=256, max_model_len=8192, prefix_mode='radix', policy='fcfs', \
             long_prefill_token_threshold=0, watermark=0.01, eos_token_id=None, \
             enable_chunked_prefill=True, host_blocks=0, tier_fetch=False, tier_publish=False, \
-            tier_root=None, bytes_per_block=1, preemption='recompute')"
+            tier_root=None, bytes_per_block=1, preemption='recompute', sliding_window=0, \
+            group_windows=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -95,6 +110,8 @@ impl PyScheduler {
         tier_root: Option<&Bound<'_, PyAny>>,
         bytes_per_block: Option<&Bound<'_, PyAny>>,
         preemption: Option<&Bound<'_, PyAny>>,
+        sliding_window: Option<&Bound<'_, PyAny>>,
+        group_windows: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
             u32_arg(Some(num_blocks), 0, "num_blocks")?,
@@ -125,6 +142,11 @@ impl PyScheduler {
             flag(o, "enable_chunked_prefill")
         })?;
         cfg.watermark = or_default(watermark, 0.01, |o| real(o, "watermark"))?;
+        cfg.sliding_window = u32_arg(sliding_window, 0, "sliding_window")?;
+        cfg.group_windows = match group_windows.filter(|o| !o.is_none()) {
+            None => Vec::new(),
+            Some(o) => conv_all(&ints(o, "group_windows")?, "group_windows")?,
+        };
         cfg.eos_token_id = or_default(eos_token_id, None, |o| {
             count(o, "eos_token_id", i64::from(u32::MAX)).map(Some)
         })?;
@@ -156,7 +178,8 @@ impl PyScheduler {
 
     #[pyo3(signature = (
         req_ids, prompt_token_ids, prompt_offsets, max_tokens, *, priorities=None,
-        namespaces=None, n=None, ignore_eos=None, stop_token_ids=None, stop_offsets=None
+        namespaces=None, n=None, ignore_eos=None, stop_token_ids=None, stop_offsets=None,
+        retention_sink=None, retention_window=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_requests(
@@ -172,6 +195,8 @@ impl PyScheduler {
         ignore_eos: Option<&Bound<'_, PyAny>>,
         stop_token_ids: Option<&Bound<'_, PyAny>>,
         stop_offsets: Option<&Bound<'_, PyAny>>,
+        retention_sink: Option<&Bound<'_, PyAny>>,
+        retention_window: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let ids: Vec<u64> = conv_all(&int_batch(req_ids, "req_ids", true)?, "req_ids")?;
         let k = ids.len();
@@ -213,6 +238,17 @@ impl PyScheduler {
                 ))
             }
         };
+        let sinks: Vec<u32> = conv_all(
+            &ints_or_scalar(retention_sink, k, 0, "retention_sink")?,
+            "retention_sink",
+        )?;
+        let windows: Vec<u32> = conv_all(
+            &ints_or_scalar(retention_window, k, 0, "retention_window")?,
+            "retention_window",
+        )?;
+        let rets = (0..k)
+            .map(|i| retention(sinks[i], windows[i]))
+            .collect::<PyResult<Vec<_>>>()?;
         let reqs: Vec<NewRequest> = (0..k)
             .zip(prompts)
             .zip(stops)
@@ -225,6 +261,7 @@ impl PyScheduler {
                 n: ns[i],
                 ignore_eos: ignore[i],
                 stop_token_ids: stop,
+                retention: rets[i],
             })
             .collect();
         Ok(self.inner.with(py, |s| s.add_requests(reqs))??)
@@ -233,10 +270,11 @@ impl PyScheduler {
     #[pyo3(
         signature = (
             req_id, prompt_token_ids, max_tokens, *, priority=None, namespace=None, n=None,
-            ignore_eos=None, stop_token_ids=None
+            ignore_eos=None, stop_token_ids=None, retention_sink=None, retention_window=None
         ),
         text_signature = "(self, req_id, prompt_token_ids, max_tokens, *, priority=0, \
-            namespace=0, n=1, ignore_eos=False, stop_token_ids=None)"
+            namespace=0, n=1, ignore_eos=False, stop_token_ids=None, retention_sink=0, \
+            retention_window=0)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -250,6 +288,8 @@ impl PyScheduler {
         n: Option<&Bound<'_, PyAny>>,
         ignore_eos: Option<&Bound<'_, PyAny>>,
         stop_token_ids: Option<&Bound<'_, PyAny>>,
+        retention_sink: Option<&Bound<'_, PyAny>>,
+        retention_window: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let stops = match stop_token_ids.filter(|o| !o.is_none()) {
             None => Vec::new(),
@@ -269,6 +309,10 @@ impl PyScheduler {
             n: u32_arg(n, 1, "n")?,
             ignore_eos: or_default(ignore_eos, false, |o| flag(o, "ignore_eos"))?,
             stop_token_ids: stops,
+            retention: retention(
+                u32_arg(retention_sink, 0, "retention_sink")?,
+                u32_arg(retention_window, 0, "retention_window")?,
+            )?,
         };
         Ok(self.inner.with(py, |s| s.add_requests(vec![r]))??)
     }
@@ -281,18 +325,37 @@ impl PyScheduler {
 
     fn schedule(&self, py: Python<'_>) -> PyResult<PyStepPlan> {
         let plan = self.inner.detached(py, |s| s.schedule())??;
-        PyStepPlan::new(py, plan, self.cfg.block_size as usize)
+        PyStepPlan::new(
+            py,
+            plan,
+            self.cfg.block_size as usize,
+            self.cfg.group_windows.len(),
+        )
     }
 
+    #[pyo3(signature = (step_id, sampled_token_ids, drop_blocks=None))]
     fn update(
         &self,
         py: Python<'_>,
         step_id: &Bound<'_, PyAny>,
         sampled_token_ids: &Bound<'_, PyAny>,
+        drop_blocks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyStepOutput> {
         let step: u64 = count(step_id, "step_id", i64::MAX)?;
         let toks = sampled_tokens(sampled_token_ids)?;
-        let fs = self.inner.detached(py, |s| s.update(step, &toks))??;
+        let drops: Vec<usize> = match drop_blocks.filter(|o| !o.is_none()) {
+            None => Vec::new(),
+            Some(o) => conv_all(&ints(o, "drop_blocks")?, "drop_blocks")?,
+        };
+        if drops.len() % 2 != 0 {
+            return Err(invalid(
+                "drop_blocks holds (row, block) pairs: an even number of ints".into(),
+            ));
+        }
+        let pairs: Vec<(usize, usize)> = drops.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+        let fs = self
+            .inner
+            .detached(py, |s| s.update_with_drops(step, &toks, &pairs))??;
         PyStepOutput::new(py, fs)
     }
 
@@ -411,6 +474,16 @@ impl PyScheduler {
             Policy::Fcfs => "fcfs",
             Policy::Priority => "priority",
         }
+    }
+
+    #[getter]
+    fn sliding_window(&self) -> u32 {
+        self.cfg.sliding_window
+    }
+
+    #[getter]
+    fn group_windows(&self) -> Vec<u32> {
+        self.cfg.group_windows.clone()
     }
 
     #[getter]

@@ -5,9 +5,9 @@
 //! plan costs one allocation per array, whatever the batch size. Shapes and dtypes are
 //! documented in `python/kvcore/_kvcore.pyi`.
 
-use numpy::ndarray::Array2;
+use numpy::ndarray::{Array2, Array3};
 use numpy::prelude::*;
-use numpy::{PyArray1, PyArray2};
+use numpy::{PyArray1, PyArray2, PyArray3};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -44,6 +44,8 @@ pub struct PyStepPlan {
     query_start_loc: Py<PyArray1<i32>>,
     seq_lens: Py<PyArray1<i32>>,
     block_table: Py<PyArray2<i32>>,
+    group_block_table: Py<PyArray3<i32>>,
+    group_slot_mapping: Py<PyArray2<i64>>,
     copy_ops: Py<PyArray2<i32>>,
     tier_offload: Py<PyArray2<i32>>,
     tier_load: Py<PyArray2<i32>>,
@@ -56,18 +58,31 @@ pub struct PyStepPlan {
 
 impl PyStepPlan {
     /// Moves the plan's vectors into NumPy arrays.
-    pub(crate) fn new(py: Python<'_>, p: StepPlan, block_size: usize) -> PyResult<Self> {
+    pub(crate) fn new(
+        py: Python<'_>,
+        p: StepPlan,
+        block_size: usize,
+        extra_groups: usize,
+    ) -> PyResult<Self> {
         let (num_reqs, num_ops) = (p.num_reqs(), p.copy_ops.len() / 2);
+        let (extra, num_tokens, num_sampled) = (extra_groups, p.num_tokens(), p.num_sampled());
+        let shape_err = |e: numpy::ndarray::ShapeError| KvError::Invariant(format!("shape: {e}"));
+        let gbt = Array3::from_shape_vec((extra, num_reqs, p.max_blocks), p.group_block_table)
+            .map_err(shape_err)?;
+        let gsm =
+            Array2::from_shape_vec((extra, num_tokens), p.group_slot_mapping).map_err(shape_err)?;
         Ok(PyStepPlan {
             step_id: p.step_id,
             num_reqs,
-            num_tokens: p.num_tokens(),
+            num_tokens,
             num_decode: p.num_decode,
             num_prefill: p.num_prefill,
-            num_sampled: p.num_sampled(),
+            num_sampled,
             max_query_len: p.max_query_len,
             max_seq_len: p.max_seq_len,
             block_table: arr2(py, p.block_table, num_reqs, p.max_blocks)?,
+            group_block_table: PyArray3::from_owned_array(py, gbt).unbind(),
+            group_slot_mapping: PyArray2::from_owned_array(py, gsm).unbind(),
             copy_ops: arr2(py, p.copy_ops, num_ops, 2)?,
             tier_offload: super::tiers::pairs(py, &p.tiers.offload)?,
             tier_load: super::tiers::pairs(py, &p.tiers.load)?,
@@ -113,6 +128,7 @@ pub struct PyStepOutput {
     request_done: Py<PyArray1<bool>>,
     token_offsets: Py<PyArray1<i64>>,
     token_ids: Py<PyArray1<i64>>,
+    peak_blocks: Py<PyArray1<i64>>,
 }
 
 impl PyStepOutput {
@@ -134,6 +150,7 @@ impl PyStepOutput {
             request_done: arr1(py, fs.iter().map(|f| f.request_done).collect()),
             token_offsets: arr1(py, offsets),
             token_ids: arr1(py, tokens),
+            peak_blocks: arr1(py, fs.iter().map(|f| i64::from(f.peak_blocks)).collect()),
         })
     }
 }
@@ -206,6 +223,8 @@ pub struct PySchedulerStats {
     num_computed_tokens: usize,
     num_steps: u64,
     num_finished: u64,
+    num_released_blocks: u64,
+    peak_seq_blocks: u32,
 }
 
 impl From<SchedulerStats> for PySchedulerStats {
@@ -224,6 +243,8 @@ impl From<SchedulerStats> for PySchedulerStats {
             num_computed_tokens: s.num_computed_tokens,
             num_steps: s.num_steps,
             num_finished: s.num_finished,
+            num_released_blocks: s.num_released_blocks,
+            peak_seq_blocks: s.peak_seq_blocks,
         }
     }
 }

@@ -7,6 +7,14 @@
 use crate::error::{KvError, KvResult};
 use crate::prefix_cache::PrefixMode;
 
+/// Most KV cache groups (block tables per sequence).
+pub const MAX_GROUPS: usize = 16;
+
+/// The KV-manager id of group `g`'s table of sequence `kv_id` (group 0: `kv_id` itself).
+pub fn group_kv_id(kv_id: u64, g: usize) -> u64 {
+    kv_id | ((g as u64) << 56)
+}
+
 /// Order in which waiting requests are admitted and running ones are preempted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
@@ -44,6 +52,16 @@ pub struct SchedulerConfig {
     pub eos_token_id: Option<u32>,
     /// Tiers below the pool (L2 host slots, L3/L4 fetches, swap preemption); None: off.
     pub tiers: Option<crate::tiers::TierConfig>,
+    /// Sliding window (tokens) of *every* attention layer of the model, 0 for none: blocks
+    /// wholly behind it are released as sequences grow (exact; see docs/retention.md). A model
+    /// with some full-attention layer passes 0.
+    pub sliding_window: u32,
+    /// Windows (tokens; 0: a full-attention group) of the *extra* KV cache groups of a hybrid
+    /// model: every
+    /// sequence gets one more block table per entry, released behind that window, while group
+    /// 0 (the global layers) uses `sliding_window` (see docs/retention.md). Empty: one group.
+    /// Needs the prefix cache off and no tiers.
+    pub group_windows: Vec<u32>,
 }
 
 impl SchedulerConfig {
@@ -63,6 +81,8 @@ impl SchedulerConfig {
             watermark: 0.01,
             eos_token_id: None,
             tiers: None,
+            sliding_window: 0,
+            group_windows: Vec::new(),
         }
     }
 
@@ -106,12 +126,25 @@ impl SchedulerConfig {
         if self.watermark_blocks() >= self.num_blocks - 1 {
             return bad("watermark leaves no block to allocate");
         }
+        if !self.group_windows.is_empty() {
+            if self.group_windows.len() > MAX_GROUPS - 1 {
+                return bad("group_windows: at most 15 extra groups");
+            }
+            if self.prefix_mode != PrefixMode::Off || self.tiers.is_some() {
+                return bad("KV cache groups need prefix_mode 'off' and no tiers");
+            }
+        }
         Ok(())
     }
 
     /// The watermark as a block count (rounded up).
     pub fn watermark_blocks(&self) -> u32 {
         (self.watermark * f64::from(self.num_blocks)).ceil() as u32
+    }
+
+    /// Number of KV cache groups (block tables per sequence).
+    pub fn num_groups(&self) -> usize {
+        1 + self.group_windows.len()
     }
 
     /// Blocks holding `num_tokens` tokens.

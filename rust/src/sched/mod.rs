@@ -35,10 +35,13 @@ mod tests;
 #[path = "../tiers/sched.rs"]
 mod tier_sched;
 mod update;
+mod window;
+#[cfg(test)]
+mod window_tests;
 
 use std::collections::{BTreeMap, HashMap};
 
-pub use config::{Policy, SchedulerConfig};
+pub use config::{group_kv_id, Policy, SchedulerConfig, MAX_GROUPS};
 pub use step::StepPlan;
 
 use crate::error::{KvError, KvResult};
@@ -75,6 +78,10 @@ pub struct SchedulerStats {
     pub num_steps: u64,
     /// Samples finished since start (aborted ones included).
     pub num_finished: u64,
+    /// Blocks released by retention (sliding windows, lossy policies) since start.
+    pub num_released_blocks: u64,
+    /// Most blocks any one sequence held at once since start.
+    pub peak_seq_blocks: u32,
 }
 
 /// Per-request bookkeeping touched only on add, fork, finish and abort.
@@ -117,6 +124,8 @@ pub struct Scheduler {
     num_preemptions: u64,
     num_finished: u64,
     num_scheduled_tokens: usize,
+    num_released_blocks: u64,
+    peak_seq_blocks: u32,
     /// Scratch buffers reused by `schedule` and `update`.
     scratch_tokens: Vec<usize>,
     scratch_copy: Vec<[u32; 2]>,
@@ -151,6 +160,8 @@ impl Scheduler {
             num_preemptions: 0,
             num_finished: 0,
             num_scheduled_tokens: 0,
+            num_released_blocks: 0,
+            peak_seq_blocks: 0,
             scratch_tokens: Vec::new(),
             scratch_copy: Vec::new(),
         })
@@ -219,13 +230,13 @@ impl Scheduler {
         // copy-on-write when its prefix hit ends inside a block.
         let longest = (r.prompt.len() + r.max_tokens as usize).min(max_len) - 1;
         let usable = (self.cfg.num_blocks - 1 - self.watermark_blocks) as usize;
-        if self.cfg.blocks_for(longest) + 1 > usable {
+        if self.cfg.blocks_for(longest) * self.cfg.num_groups() + 1 > usable {
             return Err(KvError::TooLong(format!(
                 "request {}: up to {} tokens need {} blocks (+1 spare); the pool has {} beside \
                  the watermark",
                 r.id,
                 longest,
-                self.cfg.blocks_for(longest),
+                self.cfg.blocks_for(longest) * self.cfg.num_groups(),
                 usable
             )));
         }
@@ -262,6 +273,9 @@ impl Scheduler {
             namespace: r.namespace,
             ignore_eos: r.ignore_eos,
             stop_token_ids: r.stop_token_ids,
+            retention: r.retention,
+            cursors: vec![(0, 0); self.cfg.num_groups()],
+            peak_blocks: 0,
         };
         let idx = self.alloc_slot(seq);
         self.waiting.insert(key, idx);
@@ -335,6 +349,7 @@ impl Scheduler {
                         let done = seq.num_computed - seq.num_inflight;
                         self.kv
                             .free(seq.kv_id, self.cache_tokens(&seq.tokens[..done]))?;
+                        self.free_groups(seq.kv_id)?;
                         self.running_slots -= seq.slots();
                         removed_running = true;
                     }
@@ -350,6 +365,7 @@ impl Scheduler {
                         output: Vec::new(),
                         reason: FinishReason::Abort,
                         request_done: false,
+                        peak_blocks: seq.peak_blocks,
                     });
                 }
             }
@@ -392,6 +408,8 @@ impl Scheduler {
             num_computed_tokens: self.running.iter().map(|&i| self.seq(i).num_computed).sum(),
             num_steps: self.next_step_id - 1,
             num_finished: self.num_finished,
+            num_released_blocks: self.num_released_blocks,
+            peak_seq_blocks: self.peak_seq_blocks,
         }
     }
 }
@@ -404,5 +422,6 @@ fn finished(seq: &Seq, reason: FinishReason, request_done: bool) -> FinishedSeq 
         output: seq.tokens[seq.prompt_len..].to_vec(),
         reason,
         request_done,
+        peak_blocks: seq.peak_blocks,
     }
 }

@@ -64,6 +64,11 @@ pub struct StepPlan {
     pub max_seq_len: usize,
     /// Tier moves to apply before the forward (publish, offload, load) and fetches to start.
     pub tiers: crate::tiers::TierOps,
+    /// [(num_groups - 1) * num_reqs * max_blocks] the block tables of the extra KV cache
+    /// groups (group-major, then like `block_table`); empty with one group.
+    pub group_block_table: Vec<i32>,
+    /// [(num_groups - 1) * num_tokens] each token's slot in each extra group's table.
+    pub group_slot_mapping: Vec<i64>,
 }
 
 impl StepPlan {
@@ -92,6 +97,7 @@ impl Scheduler {
                 o.step_id
             )));
         }
+        self.release_behind_windows()?;
         let mut budget = self.cfg.max_num_batched_tokens as usize;
         let mut sched = std::mem::take(&mut self.scratch_tokens);
         sched.clear();
@@ -109,7 +115,8 @@ impl Scheduler {
                 let num_new = self.chunk(remaining, budget);
                 let (kv_id, total) = (seq.kv_id, seq.num_computed + num_new);
                 loop {
-                    if self.kv.allocate_slots(kv_id, total)? {
+                    if self.allocate_groups(kv_id, total)? {
+                        self.note_peak(self.running[i])?;
                         sched[i] = num_new;
                         budget -= num_new;
                         i += 1;
@@ -179,10 +186,13 @@ impl Scheduler {
         // Swap preemption (when tiers and the cost model say so) copies the blocks to L2 first.
         self.kv.swap_out(seq.kv_id, seq.num_computed);
         let tokens = self.cache_tokens(&seq.tokens[..seq.num_computed]);
-        self.kv.free(seq.kv_id, tokens)?;
+        let kv_id = seq.kv_id;
+        self.kv.free(kv_id, tokens)?;
+        self.free_groups(kv_id)?;
         let seq = self.seqs[idx].as_mut().expect("running sequence is live");
         seq.num_computed = 0;
         seq.num_cached_blocks = 0;
+        seq.cursors.iter_mut().for_each(|c| *c = (0, 0));
         seq.status = SeqStatus::Waiting;
         seq.num_preemptions += 1;
         let (key, slots) = (seq.key, seq.slots());
@@ -239,7 +249,14 @@ impl Scheduler {
             )? {
                 break;
             }
-            self.kv.record_query(seq.tokens.len(), computed);
+            let query_len = seq.tokens.len();
+            if !self.admit_groups(idx, num_new)? {
+                let kv_id = self.seq(idx).kv_id;
+                self.kv.free(kv_id, &[])?;
+                break;
+            }
+            self.kv.record_query(query_len, computed);
+            self.note_peak(idx)?;
             self.waiting.remove(&key);
             let seq = self.seqs[idx].as_mut().expect("waiting sequence is live");
             seq.num_computed = computed;
@@ -282,6 +299,8 @@ impl Scheduler {
             query_start_loc: Vec::with_capacity(rows.len() + 1),
             seq_lens: Vec::with_capacity(rows.len()),
             block_table: vec![0; rows.len() * max_blocks],
+            group_block_table: vec![0; (self.cfg.num_groups() - 1) * rows.len() * max_blocks],
+            group_slot_mapping: vec![0; (self.cfg.num_groups() - 1) * num_tokens],
             max_blocks,
             num_decode,
             num_prefill: rows.len() - num_decode,
@@ -301,11 +320,23 @@ impl Scheduler {
             {
                 *dst = b as i32;
             }
+            let q_start = p.input_ids.len();
             for (pos, &tok) in (start..end).zip(&seq.tokens[start..end]) {
                 p.input_ids.push(i64::from(tok));
                 p.positions.push(pos as i64);
                 p.slot_mapping
                     .push(i64::from(table[pos / bs]) * bs as i64 + (pos % bs) as i64);
+            }
+            for g in 1..self.cfg.num_groups() {
+                let table = self.kv.block_table(super::group_kv_id(seq.kv_id, g))?;
+                let row = ((g - 1) * rows.len() + r) * max_blocks;
+                for (dst, &b) in p.group_block_table[row..row + nb].iter_mut().zip(table) {
+                    *dst = b as i32;
+                }
+                let slots = &mut p.group_slot_mapping[(g - 1) * num_tokens + q_start..];
+                for (dst, pos) in slots.iter_mut().zip(start..end) {
+                    *dst = i64::from(table[pos / bs]) * bs as i64 + (pos % bs) as i64;
+                }
             }
             let q_end = p.input_ids.len();
             p.query_start_loc.push(q_end as i32);

@@ -19,6 +19,62 @@ impl Scheduler {
     /// `Err(NoStepOutstanding | StaleStep)` for a step that is not the outstanding one,
     /// `Err(InvalidArgument)` when `sampled.len()` is not the plan's `num_sampled`.
     pub fn update(&mut self, step_id: u64, sampled: &[u32]) -> KvResult<Vec<FinishedSeq>> {
+        self.update_with_drops(step_id, sampled, &[])
+    }
+
+    /// `update`, then releases the blocks a caller-side policy (H2O) drops: `drops` are
+    /// `(plan row, logical block)` pairs; each must be a full block of the row's sequence that
+    /// this step did not write (below `seq_len / block_size`, and below the first block of the
+    /// row's query), else `Err(InvalidArgument)` and nothing changes. The drop is lossy (no more
+    /// publishing) and applies to every KV cache group; rows that finished or were aborted are
+    /// skipped.
+    pub fn update_with_drops(
+        &mut self,
+        step_id: u64,
+        sampled: &[u32],
+        drops: &[(usize, usize)],
+    ) -> KvResult<Vec<FinishedSeq>> {
+        if let Some(o) = self.outstanding.as_ref().filter(|o| o.step_id == step_id) {
+            let bs = self.cfg.block_size as usize;
+            for &(row, block) in drops {
+                let ok = o.rows.get(row).is_some_and(|&(idx, kv_id, _)| {
+                    self.seqs[idx].as_ref().is_none_or(|s| {
+                        s.kv_id != kv_id || block < (s.num_computed - s.num_inflight) / bs
+                    })
+                });
+                if !ok {
+                    return Err(KvError::InvalidArgument(format!(
+                        "drop (row {row}, block {block}): not a full block computed before step \
+                         {step_id}"
+                    )));
+                }
+            }
+        }
+        let targets: Vec<(usize, u64, usize)> = match &self.outstanding {
+            Some(o) if o.step_id == step_id => drops
+                .iter()
+                .map(|&(row, block)| (o.rows[row].0, o.rows[row].1, block))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let out = self.apply_update(step_id, sampled)?;
+        let mut n = 0;
+        for (idx, kv_id, block) in targets {
+            match &self.seqs[idx] {
+                Some(s) if s.kv_id == kv_id => {}
+                _ => continue, // finished or aborted
+            }
+            for g in 0..self.cfg.num_groups() {
+                n +=
+                    self.kv
+                        .release_blocks(super::group_kv_id(kv_id, g), block, block + 1, true)?;
+            }
+        }
+        self.num_released_blocks += n as u64;
+        Ok(out)
+    }
+
+    fn apply_update(&mut self, step_id: u64, sampled: &[u32]) -> KvResult<Vec<FinishedSeq>> {
         match &self.outstanding {
             None => return Err(KvError::NoStepOutstanding { got: step_id }),
             Some(o) if o.step_id != step_id => {
@@ -122,7 +178,10 @@ impl Scheduler {
                 debug_assert!(!done);
                 continue;
             }
-            self.kv.fork(self.seq(parent).kv_id, child.kv_id)?;
+            for g in 0..self.cfg.num_groups() {
+                let p = super::group_kv_id(self.seq(parent).kv_id, g);
+                self.kv.fork(p, super::group_kv_id(child.kv_id, g))?;
+            }
             let idx = self.alloc_slot(child);
             self.requests
                 .get_mut(&req_id)
@@ -154,6 +213,7 @@ impl Scheduler {
             seq.kv_id,
             self.cache_tokens(&seq.tokens[..seq.num_computed]),
         )?;
+        self.free_groups(seq.kv_id)?;
         self.running_slots -= seq.slots();
         let entry = self.requests.get_mut(&seq.req_id).expect("live request");
         entry.seqs.retain(|&i| i != idx);

@@ -238,7 +238,8 @@ impl KvManager {
             return false;
         }
         let blocks = &table.blocks[..nb];
-        if self.copy_ops.iter().any(|op| blocks.contains(&op[1])) {
+        // A table with released blocks (retention) is recomputed, never swapped.
+        if table.num_released > 0 || self.copy_ops.iter().any(|op| blocks.contains(&op[1])) {
             return false;
         }
         t.swap_out(req, blocks, num_tokens)
