@@ -91,3 +91,19 @@ def test_bad_input_is_a_typed_error():
         make_router("round-robin")
     assert make_router("p2c").name == "p2c"
     assert make_router("prefix", threshold=3).threshold == 3
+
+
+def test_cluster_sim_prefix_beats_p2c(capsys):
+    from kvcore import sim
+
+    small = ["--replicas", "4", "--requests-per-replica", "40", "--system-len", "256"]
+    small += ["--kv-blocks", "96", "--systems", "8", "--seed", "1"]
+    figures = {}
+    for name in ("prefix", "p2c"):
+        sim.main([*small, "--router", name])
+        lines = [x for x in capsys.readouterr().out.splitlines() if not x.startswith("#")]
+        figures[name] = {x.split(":")[0]: float(x.split()[1]) for x in lines}
+    assert figures["prefix"]["hit_rate"] > 1.5 * figures["p2c"]["hit_rate"]
+    assert figures["prefix"]["hit_rate"] <= figures["prefix"]["hit_rate_single"] + 1e-9
+    assert figures["prefix"]["ttft_p50_ms"] < figures["p2c"]["ttft_p50_ms"]
+    assert 1.0 <= figures["p2c"]["imbalance"] < 2.0
