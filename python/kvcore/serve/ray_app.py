@@ -1,0 +1,309 @@
+"""``kvcore serve --replicas N``: engine replicas on Ray Serve behind the OpenAI ingress.
+
+::
+
+    client ──HTTP──► Ingress (FastAPI, 1 replica)          EngineReplica × N (one LLM each)
+                     parse, auth, tokenize, 400s ──handle──► serving.run ─► JSON body / SSE
+                     KvcoreRequestRouter picks the replica    pushes /metrics text ─► MetricsHub
+                     /metrics: hub texts merged, replica="…"
+
+The ingress validates a request exactly as ``kvcore serve`` does (``serving.prepare_*``) and
+sends the body with its prompt's token ids (``RoutedRequest``) through the deployment handle;
+the request router (``ray_router.py``) reads the ids. A replica answers with a status and body
+(errors never cross Ray as exceptions). A replica that dies takes its in-flight requests with
+it: they get 503 + ``Retry-After`` (``code: replica_failed``), not a retry (a request may have
+streamed tokens already, and sampling is not idempotent); Serve's controller starts a new
+replica and the router drops the dead one's tree.
+"""
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from kvcore.entrypoints import responses, serving
+from kvcore.entrypoints.metrics import CONTENT_TYPE
+from kvcore.entrypoints.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from kvcore.entrypoints.protocol import parse_body as _parse
+from kvcore.serve.merge import merge_metrics
+
+ROUTERS = {  # --router: (request router class, its kwargs)
+    "prefix": ("kvcore.serve.ray_router:KvcoreRequestRouter", {"policy": "prefix"}),
+    "p2c": ("kvcore.serve.ray_router:KvcoreRequestRouter", {"policy": "p2c"}),
+    "random": ("kvcore.serve.ray_router:KvcoreRequestRouter", {"policy": "random"}),
+    "ray-p2c": (None, {}),  # Ray Serve's default PowerOfTwoChoicesRequestRouter
+    "ray-prefix": ("ray.serve.llm.request_router.PrefixCacheAffinityRouter", {}),
+}
+_PARSERS = {"completion": CompletionRequest, "chat": ChatCompletionRequest}
+
+
+@dataclass
+class RoutedRequest:
+    """What the ingress sends a replica: the raw body and the first prompt's token ids."""
+
+    kind: str  # "completion" | "chat"
+    body: bytes
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def prompt(self) -> str:
+        """The ids as text, for Ray's PrefixCacheAffinityRouter (it matches characters)."""
+        return " ".join(map(str, self.token_ids))
+
+
+@ray.remote(num_cpus=0)
+class MetricsHub:
+    """Latest /metrics text and /health snapshot pushed by each replica."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, tuple[float, str, dict]] = {}
+
+    def put(self, replica: str, text: str, health: dict) -> None:
+        self.latest[replica] = (time.time(), text, health)
+
+    def collect(self, max_age_s: float) -> dict[str, tuple[float, str, dict]]:
+        now = time.time()  # a replica silent for max_age_s is gone (dead or removed)
+        self.latest = {k: v for k, v in self.latest.items() if now - v[0] <= max_age_s}
+        return self.latest
+
+
+def _state_for(args: Any) -> serving.ServerState:
+    from kvcore.cli import _make_llm
+    from kvcore.entrypoints.server import make_state
+
+    return make_state(_make_llm(args), args)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class EngineReplica:
+    """One engine (``kvcore serve``'s AsyncEngine over an LLM) serving routed requests."""
+
+    def __init__(self, argv: list[str], hub_name: str, push_s: float = 1.0):
+        from kvcore.entrypoints.cli import serve_parser
+
+        self.state = _state_for(serve_parser().parse_args(argv))
+        ctx = serve.get_replica_context()
+        self.name = ctx.replica_id.unique_id
+        self.actor_name = ray.get_runtime_context().get_actor_name()
+        self._hub = ray.get_actor(hub_name)
+        self._push_s = push_s
+        threading.Thread(target=self._push_loop, daemon=True).start()
+
+    def _push_loop(self) -> None:
+        while self.state.engine.running:
+            self._hub.put.remote(self.name, self.state.metrics.render().decode(), self.health())
+            time.sleep(self._push_s)
+
+    def info(self) -> dict[str, Any]:
+        s = self.state
+        return dict(
+            tokenizer=s.tokenizer,
+            model_name=s.model_name,
+            max_model_len=s.max_model_len,
+            vocab_size=s.vocab_size,
+            max_n=s.max_n,
+            max_body_bytes=s.max_body_bytes,
+        )
+
+    def health(self) -> dict[str, Any]:
+        return {"replica": self.name, "actor_name": self.actor_name, **self.state.engine.snapshot}
+
+    def _job(self, req: RoutedRequest) -> serving.Job:
+        parsed = _parse(_PARSERS[req.kind], req.body)
+        prepare = serving.prepare_chat if req.kind == "chat" else serving.prepare_completion
+        return prepare(self.state, parsed)
+
+    async def complete(self, req: RoutedRequest) -> tuple[int, Any, dict]:
+        """(status, JSON body, headers) of a non-streaming request."""
+        try:
+            job = self._job(req)
+            try:
+                outputs = await serving.run(self.state, job)
+                return 200, await responses.collect(self.state, job, outputs), {}
+            finally:
+                job.close()
+        except ApiError as e:
+            return e.status, e.body(), e.headers
+
+    async def stream(self, req: RoutedRequest):
+        """First item (status, error body or None, headers), then the SSE byte chunks."""
+        try:
+            job = self._job(req)
+            outputs = await serving.run(self.state, job)
+        except ApiError as e:
+            yield e.status, e.body(), e.headers
+            return
+        yield 200, None, {}
+        try:
+            async for chunk in responses.sse(self.state, job, outputs):
+                yield chunk
+        finally:
+            job.close()
+
+
+def _replica_failed(e: BaseException) -> JSONResponse:
+    err = ApiError(
+        503,
+        f"The replica serving this request failed ({type(e).__name__}); retry.",
+        type="server_error",
+        code="replica_failed",
+        headers={"Retry-After": "1"},
+    )
+    return JSONResponse(err.body(), status_code=503, headers=err.headers)
+
+
+_RAY_FAILURES: tuple[type[BaseException], ...] = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.ActorUnavailableError,
+)
+
+
+def make_ingress(api_key: str | None, hub_name: str, stale_s: float = 10.0):
+    """The ingress deployment class (a FastAPI app bound to the engine deployment's handle)."""
+    from kvcore.entrypoints.server import _authorize, _body
+
+    app = FastAPI(title="kvcore", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    @serve.ingress(app)
+    class Ingress:
+        async def __init__(self, engine: Any):
+            self.engine = engine
+            info = await engine.info.remote()
+            self.state = serving.ServerState(engine=None, api_key=api_key, **info)
+            self.hub = ray.get_actor(hub_name)
+
+        async def _send(self, request: Request, kind: str) -> Response:
+            _authorize(self.state, request)
+            raw = await _body(self.state, request)
+            parsed = _parse(_PARSERS[kind], raw)
+            prepare = serving.prepare_chat if kind == "chat" else serving.prepare_completion
+            job = prepare(self.state, parsed)  # 400/404 here, before any replica works
+            routed = RoutedRequest(kind, raw, job.prompts[0])
+            try:
+                if not parsed.stream:
+                    status, body, headers = await self.engine.complete.remote(routed)
+                    return JSONResponse(body, status_code=status, headers=headers)
+                gen = self.engine.options(stream=True).stream.remote(routed)
+                status, body, headers = await gen.__anext__()
+            except _RAY_FAILURES as e:
+                return _replica_failed(e)
+            if body is not None:
+                return JSONResponse(body, status_code=status, headers=headers)
+
+            async def chunks():
+                try:
+                    async for chunk in gen:
+                        yield chunk
+                except _RAY_FAILURES as e:  # headers are sent: an in-band error event
+                    err = {"error": {"message": f"replica failed: {type(e).__name__}"}}
+                    yield responses._event(err)
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+
+        @app.post("/v1/completions")
+        async def completions(self, request: Request) -> Response:
+            try:
+                return await self._send(request, "completion")
+            except ApiError as e:
+                return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+        @app.post("/v1/chat/completions")
+        async def chat(self, request: Request) -> Response:
+            try:
+                return await self._send(request, "chat")
+            except ApiError as e:
+                return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+        @app.get("/v1/models")
+        async def models(self, request: Request) -> Response:
+            try:
+                _authorize(self.state, request)
+            except ApiError as e:
+                return JSONResponse(e.body(), status_code=e.status)
+            card = {"id": self.state.model_name, "object": "model", "created": 0}
+            card |= {"owned_by": "kvcore", "max_model_len": self.state.max_model_len}
+            return JSONResponse({"object": "list", "data": [card]})
+
+        @app.get("/health")
+        async def health(self) -> JSONResponse:
+            latest = await self.hub.collect.remote(stale_s)
+            replicas = [h for _, _, h in latest.values()]
+            return JSONResponse(
+                {"status": "ok" if replicas else "no replica", "replicas": replicas},
+                status_code=200 if replicas else 503,
+            )
+
+        @app.get("/metrics")
+        async def metrics(self) -> Response:
+            latest = await self.hub.collect.remote(stale_s)
+            text = merge_metrics({name: t for name, (_, t, _) in latest.items()})
+            return Response(text, media_type=CONTENT_TYPE)
+
+    return Ingress
+
+
+def build_app(
+    argv: list[str],
+    *,
+    replicas: int = 2,
+    router: str = "prefix",
+    router_kwargs: dict[str, Any] | None = None,
+    api_key: str | None = None,
+    hub_name: str = "kvcore-metrics",
+    max_ongoing_requests: int = 64,
+):
+    """The Serve application (ingress bound to N engine replicas) for ``serve.run``; Ray must
+    be initialised. ``argv``: ``kvcore serve`` engine flags of every replica (``--model`` ...)."""
+    from ray.serve.config import RequestRouterConfig
+
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}: one of {sorted(ROUTERS)}")
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
+    cls, kwargs = ROUTERS[router]
+    options: dict[str, Any] = dict(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests)
+    if cls is not None:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=cls, request_router_kwargs={**kwargs, **(router_kwargs or {})}
+        )
+    MetricsHub.options(name=hub_name, get_if_exists=True, lifetime="detached").remote()
+    engine = EngineReplica.options(**options).bind(list(argv), hub_name)
+    return make_ingress(api_key, hub_name).bind(engine)
+
+
+def deploy(
+    argv: list[str],
+    *,
+    replicas: int = 2,
+    router: str = "prefix",
+    router_kwargs: dict[str, Any] | None = None,
+    ray_address: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    name: str = "kvcore",
+    num_cpus: int | None = None,
+):
+    """Start (or join, ``ray_address``) Ray, deploy the app on ``host:port`` and return the
+    ingress handle. ``argv``: the replicas' ``kvcore serve`` engine flags."""
+    if not ray.is_initialized():
+        if ray_address:
+            ray.init(address=ray_address)
+        else:
+            ray.init(
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                object_store_memory=200 << 20,
+                log_to_driver=False,
+            )
+    serve.start(http_options={"host": host, "port": port})
+    app = build_app(
+        argv, replicas=replicas, router=router, router_kwargs=router_kwargs, api_key=api_key
+    )
+    return serve.run(app, name=name, route_prefix="/")
