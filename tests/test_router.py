@@ -107,3 +107,24 @@ def test_cluster_sim_prefix_beats_p2c(capsys):
     assert figures["prefix"]["hit_rate"] <= figures["prefix"]["hit_rate_single"] + 1e-9
     assert figures["prefix"]["ttft_p50_ms"] < figures["p2c"]["ttft_p50_ms"]
     assert 1.0 <= figures["p2c"]["imbalance"] < 2.0
+
+
+def test_merge_metrics_labels_every_series_with_its_replica():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvcore.entrypoints.metrics import ServerMetrics
+    from kvcore.serve.merge import merge_metrics
+
+    texts = {}
+    for name, hits in (("r0", 5), ("r1", 7)):
+        m = ServerMetrics("tiny", cache_info={"block_size": 16})
+        m.prefix_hits.inc(hits)
+        m.ttft.observe(0.02)
+        texts[name] = m.render().decode()
+    merged = merge_metrics(texts)
+    fams = {f.name: f for f in text_string_to_metric_families(merged)}
+    hits = {s.labels["replica"]: s.value for s in fams["kvcore:prefix_cache_hits"].samples}
+    assert hits == {"r0": 5.0, "r1": 7.0}
+    counts = [s for s in fams["kvcore:time_to_first_token_seconds"].samples if "_count" in s.name]
+    assert sorted((s.labels["replica"], s.value) for s in counts) == [("r0", 1.0), ("r1", 1.0)]
+    assert merged.count("# TYPE kvcore:prefix_cache_hits_total counter") == 1

@@ -34,6 +34,18 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-prefix", default="kvcore", help="kvcore | vllm (metric names)")
     p.add_argument("--shutdown-grace-s", type=float, default=10.0)
     p.add_argument("--log-level", default="warning")
+    g = p.add_argument_group("scale-out (Ray Serve; docs/scale_out.md)")
+    g.add_argument(
+        "--replicas", type=int, default=1, help="engine replicas on Ray Serve (1: one process)"
+    )
+    g.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
+    g.add_argument(
+        "--router",
+        default="prefix",
+        choices=("prefix", "p2c", "random", "ray-p2c", "ray-prefix"),
+        help="request router over the replicas (ray-*: Ray Serve's own)",
+    )
+    g.add_argument("--router-threshold", type=int, default=2, help="prefix router queue slack")
     return p
 
 
@@ -44,6 +56,10 @@ def serve_main(argv: list[str]) -> int:
 
     args = serve_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.replicas < 1:
+        serve_parser().error(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replicas > 1 or args.ray_address:
+        return _serve_replicas(argv, args)
     llm = _make_llm(args)
     state = make_state(llm, args)
     print(
@@ -52,6 +68,42 @@ def serve_main(argv: list[str]) -> int:
         flush=True,
     )
     return run_server(state, args.host, args.port, args.shutdown_grace_s, args.log_level)
+
+
+def _serve_replicas(argv: list[str], args: argparse.Namespace) -> int:
+    """``kvcore serve --replicas N``: the Ray Serve deployment, until SIGINT/SIGTERM."""
+    import signal
+    import threading
+
+    try:
+        from kvcore.serve.ray_app import deploy
+    except ImportError as e:
+        need = "kvcore serve --replicas needs Ray Serve: pip install 'ray[serve]'"
+        raise SystemExit(f"{need} ({e})") from None
+    from ray import serve
+
+    kwargs = {"threshold": args.router_threshold} if args.router == "prefix" else {}
+    deploy(
+        argv,
+        replicas=args.replicas,
+        router=args.router,
+        router_kwargs=kwargs,
+        ray_address=args.ray_address,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+    )
+    print(
+        f"kvcore serve: {args.replicas} replicas of {args.model} on Ray Serve, router "
+        f"{args.router}, http://{args.host}:{args.port}",
+        flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    return 0
 
 
 def bench_main(argv: list[str]) -> int:
