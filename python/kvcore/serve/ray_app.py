@@ -37,8 +37,7 @@ ROUTERS = {  # --router: (request router class, its kwargs)
     "p2c": ("kvcore.serve.ray_router:KvcoreRequestRouter", {"policy": "p2c"}),
     "random": ("kvcore.serve.ray_router:KvcoreRequestRouter", {"policy": "random"}),
     "ray-p2c": (None, {}),  # Ray Serve's default PowerOfTwoChoicesRequestRouter
-    "ray-prefix": ("ray.serve.llm.request_router.PrefixCacheAffinityRouter", {}),
-}
+}  # Ray's PrefixCacheAffinityRouter (ray.serve.llm) needs vLLM or SGLang installed: not here
 _PARSERS = {"completion": CompletionRequest, "chat": ChatCompletionRequest}
 
 
@@ -120,25 +119,27 @@ class EngineReplica:
 
     async def complete(self, req: RoutedRequest) -> tuple[int, Any, dict]:
         """(status, JSON body, headers) of a non-streaming request."""
+        mine = {"x-kvcore-replica": self.actor_name}
         try:
             job = self._job(req)
             try:
                 outputs = await serving.run(self.state, job)
-                return 200, await responses.collect(self.state, job, outputs), {}
+                return 200, await responses.collect(self.state, job, outputs), mine
             finally:
                 job.close()
         except ApiError as e:
-            return e.status, e.body(), e.headers
+            return e.status, e.body(), {**e.headers, **mine}
 
     async def stream(self, req: RoutedRequest):
         """First item (status, error body or None, headers), then the SSE byte chunks."""
+        mine = {"x-kvcore-replica": self.actor_name}
         try:
             job = self._job(req)
             outputs = await serving.run(self.state, job)
         except ApiError as e:
-            yield e.status, e.body(), e.headers
+            yield e.status, e.body(), {**e.headers, **mine}
             return
-        yield 200, None, {}
+        yield 200, None, mine
         try:
             async for chunk in responses.sse(self.state, job, outputs):
                 yield chunk
@@ -204,7 +205,7 @@ def make_ingress(api_key: str | None, hub_name: str, stale_s: float = 10.0):
                     err = {"error": {"message": f"replica failed: {type(e).__name__}"}}
                     yield responses._event(err)
 
-            return StreamingResponse(chunks(), media_type="text/event-stream")
+            return StreamingResponse(chunks(), media_type="text/event-stream", headers=headers)
 
         @app.post("/v1/completions")
         async def completions(self, request: Request) -> Response:
