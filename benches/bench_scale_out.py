@@ -46,7 +46,7 @@ def make_stream(args: argparse.Namespace) -> list[tuple[float, list[int]]]:
     return out
 
 
-async def one(client: httpx.AsyncClient, url: str, prompt: list[int], args) -> tuple[float, int]:
+async def one(client: httpx.AsyncClient, url: str, prompt: list[int], args):
     body = {
         "model": "tiny-llama",
         "prompt": prompt,
@@ -55,7 +55,7 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int], args) -> t
         "return_token_ids": True,
         "stream_options": {"include_usage": True},
     }
-    t0, ttft, cached = time.perf_counter(), None, None
+    t0, ttft, cached, times, n_out = time.perf_counter(), None, None, [], 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -63,16 +63,18 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int], args) -> t
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices") and chunk["choices"][0].get("token_ids"):
-                ttft = time.perf_counter() - t0
+            if chunk.get("choices") and chunk["choices"][0].get("token_ids"):
+                times.append(time.perf_counter())
+                n_out += len(chunk["choices"][0]["token_ids"])
+                ttft = times[0] - t0
             if chunk.get("usage"):
                 cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
     if ttft is None or cached is None:
         raise RuntimeError("stream ended without a token or usage")
-    return ttft, cached
+    return ttft, cached, list(np.diff(times)), n_out
 
 
-async def drive(url: str, stream, args) -> tuple[list[float], int]:
+async def drive(url: str, stream, args):
     async with httpx.AsyncClient(timeout=300) as client:
         start = time.perf_counter()
 
@@ -81,7 +83,10 @@ async def drive(url: str, stream, args) -> tuple[list[float], int]:
             return await one(client, url, prompt, args)
 
         results = await asyncio.gather(*(at(t, p) for t, p in stream))
-    return [r[0] for r in results], sum(r[1] for r in results)
+        span = time.perf_counter() - start
+    itl = [x for r in results for x in r[2]]
+    tok_s = sum(r[3] for r in results) / span
+    return [r[0] for r in results], sum(r[1] for r in results), itl, tok_s
 
 
 def replica_counts(url: str) -> list[float]:
@@ -95,20 +100,25 @@ def replica_counts(url: str) -> list[float]:
     return list(counts.values())
 
 
-def run_layout(name: str, replicas: int, router: str, blocks: int, stream, args, port: int):
+def run_layout(name, replicas, router, blocks, stream, args, port, prefill=0, extra=()):
     from kvcore.serve.ray_app import build_app
     from ray import serve
 
     argv = ["--model", "tiny-llama", "--num-blocks", str(blocks), "--threads", "1"]
     argv += ["--max-model-len", str(args.system_len + args.user_len[1] + args.max_tokens + 16)]
-    argv += ["--seed", str(args.seed)]
+    argv += ["--seed", str(args.seed), *extra]
     kwargs = {"threshold": args.threshold} if router == "prefix" else None
     app = build_app(
-        argv, replicas=replicas, router=router, router_kwargs=kwargs, hub_name=f"hub-{name}"
+        argv,
+        replicas=replicas,
+        router=router,
+        router_kwargs=kwargs,
+        hub_name=f"hub-{name}",
+        prefill_replicas=prefill,
     )
     serve.run(app, name=name, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
-    ttfts, cached = asyncio.run(drive(url, stream, args))
+    ttfts, cached, itl, tok_s = asyncio.run(drive(url, stream, args))
     time.sleep(2.5)  # the replicas push /metrics every second
     counts = replica_counts(url)
     serve.delete(name)
@@ -119,6 +129,8 @@ def run_layout(name: str, replicas: int, router: str, blocks: int, stream, args,
         "ttft_p50_ms": 1000 * float(np.percentile(ttfts, 50)),
         "ttft_p95_ms": 1000 * float(np.percentile(ttfts, 95)),
         "imbalance": imbalance,
+        "itl_p95_ms": 1000 * float(np.percentile(itl, 95)) if itl else float("nan"),
+        "output_tok_s": tok_s,
         "replicas_seen": len(counts),
     }
 
@@ -135,6 +147,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--num-blocks", type=int, default=224, help="KV blocks per replica")
     ap.add_argument("--threshold", type=int, default=2)
+    ap.add_argument(
+        "--disagg",
+        action="store_true",
+        help="instead: aggregated (N replicas) vs disaggregated (1 prefill + N-1 decode), "
+        "both on a shared Redis tier",
+    )
     args = ap.parse_args()
 
     import ray
@@ -155,6 +173,8 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     stream = make_stream(args)
     n, blocks = args.replicas, args.num_blocks
+    if args.disagg:
+        return disagg(args, stream, port)
     layouts = [("prefix", n, "prefix", blocks), ("p2c", n, "ray-p2c", blocks)]
     layouts.append(("single", 1, "ray-p2c", blocks * n))
     print(
@@ -175,6 +195,44 @@ def main() -> None:
     print(f"ttft_p50_p2c_over_prefix: {q['ttft_p50_ms'] / p['ttft_p50_ms']:.3f} x")
     serve.shutdown()
     ray.shutdown()
+
+
+def disagg(args, stream, port: int) -> None:
+    """Aggregated vs disaggregated prefill on one Redis: TTFT p95, ITL p95, output tokens/s."""
+    import shutil
+    import tempfile
+
+    from ray import serve
+    from tier_fixtures import RedisServer
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("--disagg needs redis-server")
+    n = args.replicas
+    print(
+        f"# disaggregation: {args.requests} requests at {args.rate}/s, {args.max_tokens} output "
+        f"tokens, aggregated {n} replicas vs 1 prefill + {n - 1} decode, seed {args.seed}"
+    )
+    for name, replicas, prefill in (("agg", n, 0), ("disagg", n - 1, 1)):
+        with tempfile.TemporaryDirectory() as tmp:
+            redis = RedisServer(binary, tmp)
+            redis.start()  # a fresh store per layout
+            try:
+                extra = ("--host-kv-mb", "16", "--remote-url", redis.url)
+                r = run_layout(
+                    name, replicas, "prefix", args.num_blocks, stream, args, port, prefill, extra
+                )
+            finally:
+                redis.stop()
+        for key, unit in (
+            ("ttft_p50_ms", "ms"),
+            ("ttft_p95_ms", "ms"),
+            ("itl_p95_ms", "ms"),
+            ("output_tok_s", "tok/s"),
+            ("hit_rate", "ratio"),
+        ):
+            print(f"{key}_{name}: {r[key]:.4g} {unit}", flush=True)
+    serve.shutdown()
 
 
 if __name__ == "__main__":

@@ -136,3 +136,38 @@ def test_killed_replica_fails_its_requests_with_503_and_is_replaced(app_url):
             break
         time.sleep(1)
     assert len(names) == 2 and victim not in names
+
+
+def test_disaggregated_prefill_through_the_shared_tier(app_url, tmp_path):
+    import shutil
+
+    from kvcore import LLM
+    from kvcore.outputs import SamplingParams
+    from tier_fixtures import RedisServer
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    redis = RedisServer(binary, str(tmp_path))
+    redis.start()
+    try:
+        argv = [*ENGINE, "--host-kv-mb", "4", "--remote-url", redis.url]
+        with pytest.raises(ValueError, match="remote-url"):
+            build_app(ENGINE, replicas=1, prefill_replicas=1)
+        app = build_app(argv, replicas=1, prefill_replicas=1, hub_name="hub-d")
+        serve.run(app, name="d", route_prefix="/d")
+        url = app_url + "/d"
+        prompts = [SHARED + [1, 2, 3], SHARED + [4, 5]]
+        got = []
+        for p in prompts:
+            r = complete(url, p, 5)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["token_ids"])
+            # The first prompt is new to the decode replica: its full blocks come from Redis.
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+        llm = LLM("tiny-llama", num_blocks=96, max_model_len=512)
+        want = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5))
+        assert got == [list(o.outputs[0].token_ids) for o in want]
+    finally:
+        serve.delete("d")
+        redis.stop()

@@ -46,6 +46,15 @@ def serve_parser() -> argparse.ArgumentParser:
         help="request router over the replicas (ray-p2c: Ray Serve's default)",
     )
     g.add_argument("--router-threshold", type=int, default=2, help="prefix router queue slack")
+    g.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        help="disaggregated prefill: P replicas write prompts' KV to --remote-url",
+    )
+    g.add_argument(
+        "--decode-replicas", type=int, default=None, help="with --prefill-replicas (default 1)"
+    )
     return p
 
 
@@ -58,7 +67,11 @@ def serve_main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.replicas < 1:
         serve_parser().error(f"--replicas must be at least 1, got {args.replicas}")
-    if args.replicas > 1 or args.ray_address:
+    if args.prefill_replicas < 0 or (args.decode_replicas or 1) < 1:
+        serve_parser().error("--prefill-replicas must be >= 0 and --decode-replicas >= 1")
+    if args.prefill_replicas:
+        args.replicas = args.decode_replicas or 1
+    if args.replicas > 1 or args.ray_address or args.prefill_replicas:
         return _serve_replicas(argv, args)
     llm = _make_llm(args)
     state = make_state(llm, args)
@@ -92,9 +105,11 @@ def _serve_replicas(argv: list[str], args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        prefill_replicas=args.prefill_replicas,
     )
     print(
-        f"kvcore serve: {args.replicas} replicas of {args.model} on Ray Serve, router "
+        f"kvcore serve: {args.replicas} replicas (+{args.prefill_replicas} prefill) of "
+        f"{args.model} on Ray Serve, router "
         f"{args.router}, http://{args.host}:{args.port}",
         flush=True,
     )

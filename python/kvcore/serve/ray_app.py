@@ -16,6 +16,7 @@ streamed tokens already, and sampling is not idempotent); Serve's controller sta
 replica and the router drops the dead one's tree.
 """
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from kvcore.entrypoints import responses, serving
 from kvcore.entrypoints.metrics import CONTENT_TYPE
 from kvcore.entrypoints.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from kvcore.entrypoints.protocol import parse_body as _parse
+from kvcore.outputs import SamplingParams
 from kvcore.serve.merge import merge_metrics
 
 ROUTERS = {  # --router: (request router class, its kwargs)
@@ -130,6 +132,28 @@ class EngineReplica:
         except ApiError as e:
             return e.status, e.body(), {**e.headers, **mine}
 
+    async def prefill(self, req: RoutedRequest) -> tuple[int, Any, dict]:
+        """Disaggregated prefill: compute the prompt's KV here and write it through to the
+        shared tier, then return (the decode replica loads it). The request runs for two
+        greedy tokens: the second step's plan carries the publish of the prompt's blocks."""
+        mine = {"x-kvcore-prefill-replica": self.actor_name}
+        tiers = self.state.engine.engine.tiers
+        try:
+            job = self._job(req)
+            job.req = job.req.model_copy(update={"stream": False, "n": 1})
+            job.params = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)]
+            job.prompts = job.prompts[:1]  # one prompt: what the router routed
+            try:
+                async for _ in await serving.run(self.state, job):
+                    pass
+            finally:
+                job.close()
+        except ApiError as e:
+            return e.status, e.body(), {**e.headers, **mine}
+        done = await asyncio.to_thread(tiers.wait_published, 10.0) if tiers else False
+        cached = sum(o.num_cached_tokens for o in job.finals.values())
+        return 200, {"published": done, "cached_tokens": cached}, mine
+
     async def stream(self, req: RoutedRequest):
         """First item (status, error body or None, headers), then the SSE byte chunks."""
         mine = {"x-kvcore-replica": self.actor_name}
@@ -173,8 +197,8 @@ def make_ingress(api_key: str | None, hub_name: str, stale_s: float = 10.0):
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     @serve.ingress(app)
     class Ingress:
-        async def __init__(self, engine: Any):
-            self.engine = engine
+        async def __init__(self, engine: Any, prefill: Any = None):
+            self.engine, self.prefill = engine, prefill
             info = await engine.info.remote()
             self.state = serving.ServerState(engine=None, api_key=api_key, **info)
             self.hub = ray.get_actor(hub_name)
@@ -187,6 +211,10 @@ def make_ingress(api_key: str | None, hub_name: str, stale_s: float = 10.0):
             job = prepare(self.state, parsed)  # 400/404 here, before any replica works
             routed = RoutedRequest(kind, raw, job.prompts[0])
             try:
+                if self.prefill is not None:  # disaggregated: the prompt's KV first
+                    status, body, headers = await self.prefill.prefill.remote(routed)
+                    if status != 200:
+                        return JSONResponse(body, status_code=status, headers=headers)
                 if not parsed.stream:
                     status, body, headers = await self.engine.complete.remote(routed)
                     return JSONResponse(body, status_code=status, headers=headers)
@@ -258,10 +286,25 @@ def build_app(
     api_key: str | None = None,
     hub_name: str = "kvcore-metrics",
     max_ongoing_requests: int = 64,
+    prefill_replicas: int = 0,
 ):
     """The Serve application (ingress bound to N engine replicas) for ``serve.run``; Ray must
-    be initialised. ``argv``: ``kvcore serve`` engine flags of every replica (``--model`` ...)."""
+    be initialised. ``argv``: ``kvcore serve`` engine flags of every replica (``--model`` ...).
+    With ``prefill_replicas`` P > 0, P prefill replicas compute prompts into the shared tier
+    (``--remote-url`` and ``--host-kv-mb`` required) and the N replicas decode."""
     from ray.serve.config import RequestRouterConfig
+
+    from kvcore.entrypoints.cli import serve_parser
+
+    if prefill_replicas < 0:
+        raise ValueError(f"prefill_replicas must be >= 0, got {prefill_replicas}")
+    if prefill_replicas:
+        flags = serve_parser().parse_args(list(argv))
+        if not flags.remote_url or flags.host_kv_mb <= 0:
+            raise ValueError(
+                "disaggregated prefill needs the shared tier: --remote-url redis://... and "
+                "--host-kv-mb > 0 in the replicas' flags"
+            )
 
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}: one of {sorted(ROUTERS)}")
@@ -275,7 +318,11 @@ def build_app(
         )
     MetricsHub.options(name=hub_name, get_if_exists=True, lifetime="detached").remote()
     engine = EngineReplica.options(**options).bind(list(argv), hub_name)
-    return make_ingress(api_key, hub_name).bind(engine)
+    prefill = None
+    if prefill_replicas:
+        options = {**options, "num_replicas": prefill_replicas, "name": "PrefillReplica"}
+        prefill = EngineReplica.options(**options).bind(list(argv), hub_name)
+    return make_ingress(api_key, hub_name).bind(engine, prefill)
 
 
 def deploy(
@@ -290,6 +337,7 @@ def deploy(
     api_key: str | None = None,
     name: str = "kvcore",
     num_cpus: int | None = None,
+    prefill_replicas: int = 0,
 ):
     """Start (or join, ``ray_address``) Ray, deploy the app on ``host:port`` and return the
     ingress handle. ``argv``: the replicas' ``kvcore serve`` engine flags."""
@@ -305,6 +353,11 @@ def deploy(
             )
     serve.start(http_options={"host": host, "port": port})
     app = build_app(
-        argv, replicas=replicas, router=router, router_kwargs=router_kwargs, api_key=api_key
+        argv,
+        replicas=replicas,
+        router=router,
+        router_kwargs=router_kwargs,
+        api_key=api_key,
+        prefill_replicas=prefill_replicas,
     )
     return serve.run(app, name=name, route_prefix="/")
