@@ -110,10 +110,9 @@ def test_cluster_sim_prefix_beats_p2c(capsys):
 
 
 def test_merge_metrics_labels_every_series_with_its_replica():
-    from prometheus_client.parser import text_string_to_metric_families
-
     from kvcore.entrypoints.metrics import ServerMetrics
     from kvcore.serve.merge import merge_metrics
+    from prometheus_client.parser import text_string_to_metric_families
 
     texts = {}
     for name, hits in (("r0", 5), ("r1", 7)):
