@@ -96,6 +96,11 @@ def _serve_replicas(argv: list[str], args: argparse.Namespace) -> int:
     from ray import serve
 
     kwargs = {"threshold": args.router_threshold} if args.router == "prefix" else {}
+    stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+
     deploy(
         argv,
         replicas=args.replicas,
@@ -113,9 +118,8 @@ def _serve_replicas(argv: list[str], args: argparse.Namespace) -> int:
         f"{args.router}, http://{args.host}:{args.port}",
         flush=True,
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+        signal.signal(sig, on_signal)
     stop.wait()
     serve.shutdown()
     return 0
