@@ -1,6 +1,7 @@
 """Scheduler simulator: a synthetic arrival stream, no model, paged KV vs two baselines.
 
     python -m kvcore.sim --seed 0
+    python -m kvcore.sim --replicas 64 --router prefix   # replicas and routers: sim_cluster.py
 
 Requests arrive as a Poisson stream (``--rate`` per step) with uniform prompt lengths and
 geometric output lengths under a ``--max-tokens`` cap. Every step "samples" one token per
@@ -242,6 +243,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--replicas" or a.startswith("--replicas=") for a in argv):
+        from kvcore import sim_cluster  # many replicas behind a router: its own simulator
+
+        sim_cluster.main(argv)
+        return
     args = parser().parse_args(argv)
     results = compare(args)
     print(

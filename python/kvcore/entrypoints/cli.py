@@ -34,6 +34,27 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-prefix", default="kvcore", help="kvcore | vllm (metric names)")
     p.add_argument("--shutdown-grace-s", type=float, default=10.0)
     p.add_argument("--log-level", default="warning")
+    g = p.add_argument_group("scale-out (Ray Serve; docs/scale_out.md)")
+    g.add_argument(
+        "--replicas", type=int, default=1, help="engine replicas on Ray Serve (1: one process)"
+    )
+    g.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
+    g.add_argument(
+        "--router",
+        default="prefix",
+        choices=("prefix", "p2c", "random", "ray-p2c"),
+        help="request router over the replicas (ray-p2c: Ray Serve's default)",
+    )
+    g.add_argument("--router-threshold", type=int, default=2, help="prefix router queue slack")
+    g.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        help="disaggregated prefill: P replicas write prompts' KV to --remote-url",
+    )
+    g.add_argument(
+        "--decode-replicas", type=int, default=None, help="with --prefill-replicas (default 1)"
+    )
     return p
 
 
@@ -44,6 +65,14 @@ def serve_main(argv: list[str]) -> int:
 
     args = serve_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.replicas < 1:
+        serve_parser().error(f"--replicas must be at least 1, got {args.replicas}")
+    if args.prefill_replicas < 0 or (args.decode_replicas or 1) < 1:
+        serve_parser().error("--prefill-replicas must be >= 0 and --decode-replicas >= 1")
+    if args.prefill_replicas:
+        args.replicas = args.decode_replicas or 1
+    if args.replicas > 1 or args.ray_address or args.prefill_replicas:
+        return _serve_replicas(argv, args)
     llm = _make_llm(args)
     state = make_state(llm, args)
     print(
@@ -52,6 +81,48 @@ def serve_main(argv: list[str]) -> int:
         flush=True,
     )
     return run_server(state, args.host, args.port, args.shutdown_grace_s, args.log_level)
+
+
+def _serve_replicas(argv: list[str], args: argparse.Namespace) -> int:
+    """``kvcore serve --replicas N``: the Ray Serve deployment, until SIGINT/SIGTERM."""
+    import signal
+    import threading
+
+    try:
+        from kvcore.serve.ray_app import deploy
+    except ImportError as e:
+        need = "kvcore serve --replicas needs Ray Serve: pip install 'ray[serve]'"
+        raise SystemExit(f"{need} ({e})") from None
+    from ray import serve
+
+    kwargs = {"threshold": args.router_threshold} if args.router == "prefix" else {}
+    stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+
+    deploy(
+        argv,
+        replicas=args.replicas,
+        router=args.router,
+        router_kwargs=kwargs,
+        ray_address=args.ray_address,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        prefill_replicas=args.prefill_replicas,
+    )
+    print(
+        f"kvcore serve: {args.replicas} replicas (+{args.prefill_replicas} prefill) of "
+        f"{args.model} on Ray Serve, router "
+        f"{args.router}, http://{args.host}:{args.port}",
+        flush=True,
+    )
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+        signal.signal(sig, on_signal)
+    stop.wait()
+    serve.shutdown()
+    return 0
 
 
 def bench_main(argv: list[str]) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
@@ -96,6 +97,7 @@ class TierManager:
         self.fetch_timeout_s = fetch_timeout_s
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcore-tier")
         self._fetches: dict[int, tuple[Future, float, np.ndarray, np.ndarray]] = {}
+        self._publishing: list[Future] = []  # write-throughs not yet known to be done
         self.bytes_offloaded = self.bytes_loaded = self.bytes_published = 0
         self.load_seconds = 0.0
         self.load_latency_s: list[float] = []  # per step that loads from L2
@@ -120,7 +122,8 @@ class TierManager:
             data = self.gather(io.publish).numpy()
             self.bytes_published += data.nbytes
             keys, toks = io.publish_keys.copy(), io.publish_tokens.copy()
-            self.io.submit(self._publish, keys, toks, data)
+            self._publishing = [f for f in self._publishing if not f.done()]
+            self._publishing.append(self.io.submit(self._publish, keys, toks, data))
         off = plan.tier_offload
         if len(off):
             src = torch.as_tensor(off[:, 0].astype(np.int64), device=self.device)
@@ -225,6 +228,11 @@ class TierManager:
             scheduler.set_tier_costs(
                 self.bytes_loaded / self.load_seconds, forward_seconds / self.tokens_computed
             )
+
+    def wait_published(self, timeout: float | None = None) -> bool:
+        """Waits for the write-throughs submitted so far (any thread); True if all finished."""
+        _, pending = wait_futures(list(self._publishing), timeout=timeout)
+        return not pending
 
     def figures(self, scheduler: Any) -> dict[str, float]:
         """Per-tier statistics for reports (hit tokens, bytes each way, latencies, swaps)."""
