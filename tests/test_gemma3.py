@@ -129,3 +129,25 @@ def test_a_corrupt_chunk_is_refused_and_leaves_no_files(monkeypatch, tmp_path):
     with pytest.raises(InvalidArgumentError, match="SHA-256"):
         gemma3_checkpoint()
     assert list(cache.iterdir()) == []  # neither the joined file nor a checkpoint folder
+
+
+@needs_gemma
+def test_kv_cache_groups_release_and_match_generate(gemma):
+    """With prefix caching off, Gemma 3's local layers get their own block tables and release
+    what lies behind their 512-token window; the tokens still equal transformers'."""
+    model, tok = gemma
+    prompt = _long_prompt(tok, 600)
+    llm = LLM(
+        model, tokenizer=tok, num_blocks=400, block_size=16, max_num_batched_tokens=256,
+        prefix_caching="off", **FULL,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == _hf(model, prompt, 24)
+    assert llm.engine.runner.kv_groups is not None  # 6 groups of 3 layers
+    stats = llm.engine.scheduler.stats()
+    assert stats.num_released_blocks > 0  # (600 + 24 + 1 - 512) / 16: whole blocks behind
+    # Peak in all-layer blocks: the global group's 40 blocks plus the local groups' windows.
+    assert out.peak_kv_blocks is not None and out.peak_kv_blocks < 6 * 40
+    assert llm.engine.all_blocks_free()
+    llm.engine.scheduler.check_invariants()
