@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=retention_list,
         default=None,
         help="run the retention gate on these policies instead of the formats, e.g. "
-        "full,sink:4+window:1020,window:1024,h2o:budget=1024 ('full' is added first if absent)",
+        "full,sink:4+window:1020,window:1024,h2o:budget=1024 ('full' is added first when "
+        "perplexity is measured)",
     )
     a(
         "--doc-len",
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     policies = list(args.retention)
-    if all(p.kind != "full" for p in policies):
+    if args.doc_len and all(p.kind != "full" for p in policies):  # the ppl reference
         policies.insert(0, parse_retention_list("full")[0])
     for p in policies:  # sizes that cannot work at this block size: refused before loading
         p.blocks(args.block_size)
