@@ -10,6 +10,13 @@ Scores, in this order (all optional features off by default)::
     s = soft_cap * tanh(s / soft_cap)             if soft_cap
     s = s + slope[head] * (k_pos - q_pos)         if alibi_slopes  (<= 0: farther is lower)
     masked out: k_pos > q_pos, and q_pos - k_pos >= sliding_window if sliding_window
+    masked out: keys of released blocks (block table entry 0 inside the sequence, ``plan``)
+
+``block_mass`` (H2O's accumulated attention, optional): a float32 ``[num_reqs, max_blocks]``
+tensor (the block table's shape) to which the call *adds*, per request and logical block, the
+attention probability its keys received in this call, summed over query heads and the step's
+query rows. Pass one tensor to every layer of a step to sum over layers (what
+``kvcore.eval_retention`` does), or one per layer. Off (None), the call costs what it did.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from kvcore_kernels.cache import check_backend, check_kv_cache
+from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
 
 
@@ -31,6 +39,7 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    block_mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a step's packed queries ``[num_tokens, num_q_heads, head_dim]`` over the cache.
 
@@ -45,6 +54,11 @@ def paged_attention(
         from kvcore_kernels.quant.cache import QuantKVCache
 
         if isinstance(kv_cache, QuantKVCache):
+            if block_mass is not None or getattr(meta, "num_released", 0):
+                raise KernelConfigError(
+                    "released blocks (null block-table entries) and block_mass are supported "
+                    "on plain caches only, not on quantized ones"
+                )
             return paged_attention_quant(
                 query,
                 kv_cache,
@@ -70,4 +84,5 @@ def paged_attention(
         soft_cap=soft_cap,
         alibi_slopes=alibi_slopes,
         out=out,
+        block_mass=block_mass,
     )

@@ -9,7 +9,10 @@ output. The loop is over chunks, never over requests or blocks; the gather indic
 of every chunk are built once per step (per sliding window) and cached in the metadata.
 
 Soft-capping and ALiBi do not fit SDPA (a non-linearity on the scores; a bias that needs fp32),
-so they take an explicit fp32 path, sliced over query rows to bound the score tensor.
+so they take an explicit fp32 path, sliced over query rows to bound the score tensor. So does
+a call that asks for ``block_mass`` (SDPA does not return its probabilities): per chunk the
+probabilities are summed over heads and query rows into a per-key vector, folded into blocks
+and added to ``block_mass`` with one ``index_add_``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvcore_kernels.checks import check_attention_args
+from kvcore_kernels.checks import check_attention_args, check_block_mass
 from kvcore_kernels.chunks_torch import CHUNK_BYTES_PER_THREAD, attend_explicit, build_chunks
 from kvcore_kernels.plan import AttentionMetadata
 
@@ -32,11 +35,13 @@ def paged_attention_torch(
     soft_cap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    block_mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch ``paged_attention`` (same contract as ``paged_attention_triton``)."""
     shape = check_attention_args(
         query, kv_cache, meta, scale, sliding_window, soft_cap, alibi_slopes, out
     )
+    check_block_mass(block_mass, meta, query.device)
     scale = float(scale)
     sliding_window = None if sliding_window is None else int(sliding_window)
     soft_cap = None if soft_cap is None else float(soft_cap)
@@ -49,7 +54,7 @@ def paged_attention_torch(
     chunks = meta.cache.get(cache_key)
     if chunks is None:
         chunks = meta.cache[cache_key] = build_chunks(meta, sliding_window, budget)
-    explicit = soft_cap is not None or alibi_slopes is not None
+    explicit = soft_cap is not None or alibi_slopes is not None or block_mass is not None
     # [num_blocks * 2, bs * Hk * D]: row 2b is block b's K, row 2b + 1 its V.
     flat = kv_cache.view(-1, bs * hk * d) if kv_cache.is_contiguous() else None
     # One gather buffer per call, reused by every chunk (it stays in cache between them).
@@ -73,7 +78,12 @@ def paged_attention_torch(
         else:
             q = query.index_select(0, c.q_index).view(n, c.q_max, hq, d)
         if explicit:
-            o = attend_explicit(q, k, v, c, scale, soft_cap, alibi_slopes)
+            key_mass = None
+            if block_mass is not None:
+                key_mass = torch.zeros(n, key_len, dtype=torch.float32, device=query.device)
+            o = attend_explicit(q, k, v, c, scale, soft_cap, alibi_slopes, key_mass)
+            if key_mass is not None:
+                _add_block_mass(block_mass, key_mass, c, bs)
         else:
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
@@ -92,3 +102,11 @@ def paged_attention_torch(
             rows = rows.index_select(0, c.src_rows)
         out.index_copy_(0, c.out_index, rows)
     return out
+
+
+def _add_block_mass(block_mass: torch.Tensor, key_mass: torch.Tensor, c, bs: int) -> None:
+    """Fold a chunk's per-key mass [n, key_len] into blocks and add it at (request, column)."""
+    per_block = key_mass.view(c.num_reqs, c.num_blocks, bs).sum(-1).reshape(-1)
+    index = c.req_index[:, None] * block_mass.shape[1] + c.block_cols  # [n, nb]
+    index = torch.from_numpy(index.reshape(-1)).to(block_mass.device)
+    block_mass.view(-1).index_add_(0, index, per_block)

@@ -13,6 +13,14 @@ walked in ``BLOCK_N`` tiles through the block table with an online softmax in lo
 ``s`` takes the ``s``-th of ``num_splits`` contiguous shares of the tile's key range and writes
 its unnormalised partial (acc, max, sum); ``merge_splits_kernel`` combines them (the
 flash-decoding idea of Dao et al.).
+
+Released blocks (null block-table entries, ``plan`` module doc): with any in the step, every
+tile takes the masked path, whose key mask also drops keys of null entries (never loaded,
+weight 0); a step without them runs exactly as before. ``block_mass`` (H2O): after the online
+softmax a second pass over the keys recomputes each score, normalises it with the row's final
+max and sum and atomically adds the per-key sums over the tile's rows (query tokens x heads) at
+``block_mass[request, key // block_size]``; it needs the final max and sum, so it runs without
+splits (one program sees a row's whole key range).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore_kernels.checks import check_attention_args
+from kvcore_kernels.checks import check_attention_args, check_block_mass
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
 from kvcore_kernels.schedule import (
@@ -71,6 +79,7 @@ def _tile_step(
     key_ok = keys < k_end
     if MASKED:
         block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        key_ok = key_ok & (block != 0)  # released blocks: never loaded, weight 0
     else:
         block = tl.load(table_row + keys // BLOCK_SIZE).to(tl.int64)
     kv_offset = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
@@ -90,7 +99,57 @@ def _tile_step(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["sliding_window", "num_splits", "num_tokens"])
+@triton.jit
+def _mass_pass(
+    m_i,  # [BLOCK_M] final running max (log2 units)
+    l_i,  # [BLOCK_M] final running sum
+    q,  # [BLOCK_M, HEAD_DIM]
+    q_pos,
+    slope,
+    row_ok,  # [BLOCK_M] real rows (padding rows add nothing)
+    cache_head,
+    table_row,
+    mass_row,  # pointer: block_mass at this request's row, fp32
+    k_start,
+    k_end,
+    t_begin,
+    t_end,
+    qk_scale,
+    soft_cap,
+    sliding_window,
+    stride_cache_block,
+    stride_cache_slot,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Add each key's normalised probability, summed over the tile's rows, to its block."""
+    inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    dims = tl.arange(0, HEAD_DIM)
+    for t in range(t_begin, t_end):
+        keys = k_start + t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        key_ok = keys < k_end
+        block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        key_ok = key_ok & (block != 0)
+        kv_offset = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
+        k = tl.load(
+            cache_head + kv_offset[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0
+        ).to(COMPUTE_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tile_scores(
+            s, keys, key_ok, q_pos, slope, soft_cap, sliding_window, True, USE_SOFTCAP, USE_ALIBI
+        )
+        p = tl.exp2(s - m_safe[:, None]) * inv_l[:, None]  # [BLOCK_M, BLOCK_N]
+        p = tl.where(row_ok[:, None], p, 0.0)
+        tl.atomic_add(mass_row + keys // BLOCK_SIZE, tl.sum(p, 0), mask=key_ok)
+
+
+@triton.jit(do_not_specialize=["sliding_window", "num_splits", "num_tokens", "num_released"])
 def _paged_attention_kernel(
     query_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
     kv_cache_ptr,  # [num_blocks, 2, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
@@ -104,10 +163,12 @@ def _paged_attention_kernel(
     part_acc_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_DIM] fp32 (if SPLIT_KV)
     part_max_ptr,  # [num_splits, num_tokens, num_q_heads] fp32, log2 units
     part_sum_ptr,  # [num_splits, num_tokens, num_q_heads] fp32
+    block_mass_ptr,  # [num_reqs, max_blocks] fp32, added to (read only if WITH_MASS)
     qk_scale,  # scale * log2(e)
     soft_cap,  # soft_cap * log2(e) (read only if USE_SOFTCAP)
     sliding_window,  # NO_WINDOW when off
     num_splits,  # grid axis 2; a runtime value, so split counts share one compiled kernel
+    num_released,  # null entries in the step's block table: > 0 sends every tile masked
     num_tokens,
     num_q_heads,
     tune_bucket,  # unused by the body: the autotuner's key (log2 of the step's query count)
@@ -118,6 +179,7 @@ def _paged_attention_kernel(
     stride_cache_slot,
     stride_cache_head,
     stride_table_req,
+    stride_mass_req,
     stride_out_tok,
     stride_out_head,
     BLOCK_SIZE: tl.constexpr,
@@ -129,6 +191,7 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,  # num_splits > 1: write partials for merge_splits_kernel
     USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
+    WITH_MASS: tl.constexpr,  # add attention mass to block_mass (needs num_splits == 1)
     COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -176,7 +239,8 @@ def _paged_attention_kernel(
     table_row = block_table_ptr + req * stride_table_req
     # Tiles whose every key precedes every query row of the tile (and no window): no causal,
     # window or bounds mask (the tutorial's on-/off-diagonal split); the rest are masked.
-    n_full = tl.where(sliding_window >= NO_WINDOW_C, (ctx + q_first - k_start + 1) // BLOCK_N, 0)
+    no_mask = (sliding_window >= NO_WINDOW_C) & (num_released == 0)
+    n_full = tl.where(no_mask, (ctx + q_first - k_start + 1) // BLOCK_N, 0)
     for t in range(t_begin, tl.minimum(t_end, n_full)):
         acc, m_i, l_i = _tile_step(
             acc, m_i, l_i, q, q_pos, slope, cache_head, table_row, k_start + t * BLOCK_N, k_end,
@@ -192,6 +256,13 @@ def _paged_attention_kernel(
             COMPUTE_DTYPE, DOT_PRECISION,
         )  # fmt: skip
 
+    if WITH_MASS:
+        _mass_pass(
+            m_i, l_i, q, q_pos, slope, row_ok, cache_head, table_row,
+            block_mass_ptr + req * stride_mass_req, k_start, k_end, t_begin, t_end, qk_scale,
+            soft_cap, sliding_window, stride_cache_block, stride_cache_slot, BLOCK_SIZE,
+            HEAD_DIM, BLOCK_N, USE_SOFTCAP, USE_ALIBI, COMPUTE_DTYPE, DOT_PRECISION,
+        )  # fmt: skip
     if not SPLIT_KV:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0 only on padding rows
         tl.store(
@@ -252,11 +323,13 @@ def paged_attention_triton(
     soft_cap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    block_mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton ``paged_attention`` (same contract as ``paged_attention_torch``)."""
     shape = check_attention_args(
         query, kv_cache, meta, scale, sliding_window, soft_cap, alibi_slopes, out
     )
+    check_block_mass(block_mass, meta, query.device)
     scale = float(scale)
     sliding_window = None if sliding_window is None else int(sliding_window)
     soft_cap = None if soft_cap is None else float(soft_cap)
@@ -284,6 +357,8 @@ def paged_attention_triton(
         else min(meta.max_seq_len, sliding_window + block_q)
     )
     splits = choose_num_splits(num_tiles * hk, keys, query.device, block_n)
+    if block_mass is not None:
+        splits = 1  # the mass pass needs each row's final max and sum
     if splits > 1:
         part_acc = torch.empty(
             (splits, meta.num_tokens, hq, d), dtype=torch.float32, device=query.device
@@ -307,6 +382,7 @@ def paged_attention_triton(
         part_acc_ptr=part_acc,
         part_max_ptr=part_max,
         part_sum_ptr=part_sum,
+        block_mass_ptr=block_mass if block_mass is not None else part_sum,
         qk_scale=scale * LOG2E,
         soft_cap=(soft_cap or 1.0) * LOG2E,
         sliding_window=sliding_window if sliding_window is not None else NO_WINDOW,
@@ -319,6 +395,7 @@ def paged_attention_triton(
         stride_cache_slot=kv_cache.stride(2),
         stride_cache_head=kv_cache.stride(3),
         stride_table_req=meta.block_table.stride(0),
+        stride_mass_req=block_mass.stride(0) if block_mass is not None else 0,
         stride_out_tok=out.stride(0),
         stride_out_head=out.stride(1),
         BLOCK_SIZE=shape.block_size,
@@ -327,15 +404,18 @@ def paged_attention_triton(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         num_splits=splits,
+        num_released=meta.num_released,
         tune_bucket=int(meta.num_tokens).bit_length(),
         SPLIT_KV=splits > 1,
         USE_SOFTCAP=soft_cap is not None,
         USE_ALIBI=alibi_slopes is not None,
+        WITH_MASS=block_mass is not None,
         COMPUTE_DTYPE=compute_dtype(query.dtype, _paged_attention_kernel),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     grid = (num_tiles, hk, splits)
-    if meta.max_q_len == 1 or is_interpreted(_paged_attention_kernel):
+    # block_mass accumulates, so it never runs under the autotuner (its trials would add too).
+    if meta.max_q_len == 1 or block_mass is not None or is_interpreted(_paged_attention_kernel):
         _paged_attention_kernel[grid](
             **args, BLOCK_N=block_n, num_warps=4 if block_m <= 16 else 8, num_stages=2
         )
@@ -350,6 +430,7 @@ def paged_attention_triton(
             num_tokens=meta.num_tokens,
             num_q_heads=hq,
             num_splits=splits,
+            num_released=meta.num_released,
             stride_out_tok=out.stride(0),
             stride_out_head=out.stride(1),
             HEAD_DIM=d,

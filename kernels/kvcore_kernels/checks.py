@@ -141,3 +141,22 @@ def check_store_args(
     if slot_mapping.device != kv_cache.device:
         raise KernelConfigError(f"slot_mapping is on {slot_mapping.device}, kv_cache elsewhere")
     return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_block_mass(block_mass: torch.Tensor | None, meta: AttentionMetadata, device) -> None:
+    """``block_mass`` is None or a contiguous float32 [num_reqs, max_blocks] tensor on
+    ``device`` (the block table's shape): the attention mass side output (H2O)."""
+    if block_mass is None:
+        return
+    want = tuple(meta.block_table.shape)
+    if (
+        not isinstance(block_mass, torch.Tensor)
+        or tuple(block_mass.shape) != want
+        or block_mass.dtype != torch.float32
+        or block_mass.device != device
+        or not block_mass.is_contiguous()
+    ):
+        raise KernelConfigError(
+            f"block_mass must be a contiguous float32 {list(want)} tensor (the block table's "
+            f"shape) on {device}"
+        )

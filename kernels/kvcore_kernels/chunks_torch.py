@@ -2,7 +2,12 @@
 
 ``build_chunks`` cuts a step's requests into chunks of about a budget of gathered keys (built
 once per step and window, cached in the metadata); ``attend_explicit`` is the fp32 soft-cap /
-ALiBi path over one chunk's gathered K and V.
+ALiBi path over one chunk's gathered K and V (and the path that measures attention mass).
+
+Released blocks (null entries inside a sequence's range, ``plan`` module doc) are not gathered:
+each request's live blocks are packed to the front of its key range, with their logical
+positions in ``k_pos``, so a policy that keeps 1K of 8K tokens gathers about 1K keys. A table
+without null entries takes the contiguous layout, unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class TwinChunk:
     q_max: int
     num_blocks: int  # blocks gathered per request (key length = num_blocks * block_size)
     blocks: torch.Tensor  # int64 [num_reqs * num_blocks] block ids (0 past a request's end)
+    block_cols: np.ndarray  # int64 [num_reqs, num_blocks] logical block (table column) of each
+    req_index: np.ndarray  # int64 [num_reqs] the chunk's requests (rows of the block table)
     kv_rows: torch.Tensor  # int64 [num_reqs * 2 * num_blocks] rows of the cache seen as
     #   [num_blocks * 2, block_size * Hk * D], ordered (request, K/V, block): one gather then
     #   leaves each request's K (and V) as one contiguous [key_len, Hk, D] run
@@ -47,6 +54,7 @@ class TwinChunk:
     window: int | None
     mask: torch.Tensor | None  # float32 [num_reqs, 1, q_max, key_len] 0 / -inf; None: no mask
     is_causal: bool  # one fresh prefill: SDPA's own (top-left) causal mask is exact
+    q_real: torch.Tensor | None  # bool [num_reqs, q_max] real query rows; None: all are real
     masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     def mask_as(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -77,7 +85,13 @@ def build_chunks(
     first_key = np.maximum(ctx - window + 1, 0) if window is not None else np.zeros_like(ctx)
     first_blk = first_key // bs
     last_blk = (lens - 1) // bs
-    num_blk = last_blk - first_blk + 1
+    live = None  # bool [num_reqs, max_blocks]: the blocks a request reads (released ones not)
+    if meta.num_released:
+        col = np.arange(table.shape[1])[None, :]
+        live = (col >= first_blk[:, None]) & (col <= last_blk[:, None]) & (table != 0)
+        num_blk = live.sum(1)
+    else:
+        num_blk = last_blk - first_blk + 1
     active = np.flatnonzero(q_lens > 0)
     if len(active) == 0:
         return []
@@ -97,10 +111,18 @@ def build_chunks(
         n = len(rs)
         q_max = int(q_lens[rs].max())
         nb = int(num_blk[rs].max())
-        cols = first_blk[rs, None] + np.arange(nb)  # [n, nb]
-        in_seq = cols <= last_blk[rs, None]
-        blocks = np.where(in_seq, table[rs[:, None], np.minimum(cols, table.shape[1] - 1)], 0)
-        k_pos = first_blk[rs, None] * bs + np.arange(nb * bs)  # [n, key_len]
+        if live is None:
+            cols = first_blk[rs, None] + np.arange(nb)  # [n, nb]
+            in_seq = cols <= last_blk[rs, None]
+            cols = np.minimum(cols, table.shape[1] - 1)
+            k_pos = first_blk[rs, None] * bs + np.arange(nb * bs)  # [n, key_len]
+        else:  # live blocks first, in order; padding keys after every position (masked)
+            cols = np.argsort(~live[rs], axis=1, kind="stable")[:, :nb]  # [n, nb]
+            in_seq = np.take_along_axis(live[rs], cols, 1)
+            k_pos = (cols[:, :, None] * bs + np.arange(bs)).reshape(n, nb * bs)
+            pad_pos = lens[rs, None] + np.arange(nb * bs)
+            k_pos = np.where(np.repeat(in_seq, bs, axis=1), k_pos, pad_pos)
+        blocks = np.where(in_seq, table[rs[:, None], cols], 0)
         q_pos = ctx[rs, None] + np.arange(q_max)  # [n, q_max]
         q_real = np.arange(q_max) < q_lens[rs, None]  # [n, q_max]
         ok = k_pos[:, None, :] <= q_pos[:, :, None]  # [n, q_max, key_len]
@@ -124,6 +146,8 @@ def build_chunks(
                 q_max=q_max,
                 num_blocks=nb,
                 blocks=dev(blocks.reshape(-1)),
+                block_cols=np.where(in_seq, cols, 0),
+                req_index=rs,
                 kv_rows=dev(kv_rows.reshape(-1)),
                 q_index=dev(q_index),
                 out_index=dev(out_index),
@@ -136,6 +160,7 @@ def build_chunks(
                 window=window,
                 mask=mask,
                 is_causal=fresh,
+                q_real=None if len(rows) == n * q_max else dev(q_real).bool(),
             )
         )
     return chunks
@@ -185,8 +210,12 @@ def attend_explicit(
     scale: float,
     soft_cap: float | None,
     alibi_slopes: torch.Tensor | None,
+    key_mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 attention with soft-cap / ALiBi; returns [n, q_max, Hq, D] in q's dtype."""
+    """fp32 attention with soft-cap / ALiBi; returns [n, q_max, Hq, D] in q's dtype.
+
+    ``key_mass`` (fp32 [n, key_len]), if given, gets each key's attention probability added,
+    summed over the query heads and the real query rows (H2O's accumulated attention)."""
     n, q_max, hq, d = q.shape
     key_len, hk = k.shape[1], k.shape[2]
     r = hq // hk
@@ -205,7 +234,11 @@ def attend_explicit(
             rel = chunk.k_pos[:, None, None, :] - chunk.q_pos[:, None, lo:hi, None]
             s = s + alibi_slopes.view(1, hq, 1, 1) * rel.float()
         s = s.masked_fill(~chunk.allowed(lo, hi), float("-inf"))
-        p = torch.softmax(s, dim=-1).view(n, hk, r * m, key_len)
+        p = torch.softmax(s, dim=-1)  # [n, Hq, m, key_len]
+        if key_mass is not None:
+            rows_p = p if chunk.q_real is None else p * chunk.q_real[:, None, lo:hi, None]
+            key_mass += rows_p.sum(dim=(1, 2))
+        p = p.view(n, hk, r * m, key_len)
         o = torch.matmul(p, vt).view(n, hk, r, m, d)  # [n, Hk, R, m, D]
         out[:, lo:hi] = o.permute(0, 3, 1, 2, 4).reshape(n, m, hq, d)
     return out

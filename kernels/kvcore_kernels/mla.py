@@ -65,6 +65,10 @@ def mla_attention(
     that is cheaper (see ``mla_torch``). Raises ``KernelConfigError`` on bad input."""
     if not isinstance(cache, torch.Tensor):
         raise KernelConfigError(f"latent cache must be a torch.Tensor, got {type(cache).__name__}")
+    if getattr(meta, "num_released", 0):
+        raise KernelConfigError(
+            "released blocks (null block-table entries) are not supported by MLA attention"
+        )
     if backend == "auto" and cache.dtype == torch.uint8:
         backend = "torch"  # FP8 latents: the Triton kernels do not read them yet
     if check_backend(backend, cache.device) == "triton":

@@ -13,6 +13,11 @@ Token ranges of one request ``r`` (``q_len = qsl[r+1] - qsl[r]``, ``ctx = seq_le
                already in the cache | this step's queries (also just stored in the cache)
     query i (0 <= i < q_len) sits at position ctx + i and attends to keys [0, ctx + i]
     (or to the last ``sliding_window`` of them).
+
+Released blocks (retention, docs/retention.md): a block table entry of 0 (``NULL_BLOCK``) inside
+a sequence's range is a logical block its retention policy dropped. Positions stay logical; the
+kernels give its keys exactly zero weight and never read the null block. The blocks this step
+writes (those holding positions ``ctx .. seq_len-1``) must be real: a query always sees itself.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class AttentionMetadata:
     host_seq_lens: np.ndarray  # int64 [num_reqs]
     host_block_table: np.ndarray  # int64 [num_reqs, max_blocks]
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)  # backend layouts, lazily
+    num_released: int = 0  # null entries inside the sequences' ranges (released blocks)
 
     @property
     def host_q_lens(self) -> np.ndarray:
@@ -78,7 +84,8 @@ def plan_attention(
 
     ``query_start_loc``: [num_reqs + 1] cumulative query lengths (0 first); ``seq_lens``:
     [num_reqs] tokens of each request including this step's; ``block_table``: [num_reqs,
-    max_blocks] block ids (padding: 0, the null block). Tensors or NumPy arrays; host arrays are
+    max_blocks] block ids (padding: 0, the null block; 0 inside a sequence's range: a
+    released block, see the module doc). Tensors or NumPy arrays; host arrays are
     cheapest (device tensors cost one copy to the host). ``device``: where the kernels run
     (default: the device of ``query_start_loc`` if it is a tensor, else the CPU), normalised
     (``"cuda"`` -> the current ``cuda:N``, as ``kvcore_kernels.device.normalize_device``).
@@ -116,8 +123,18 @@ def plan_attention(
         )
     used = np.arange(max_blocks)[None, :] < num_blocks_used[:, None]
     used_ids = table[used]
-    if used_ids.size and int(used_ids.min()) < 1:
-        raise KernelConfigError("block_table: a used entry is < 1 (block 0 is the null block)")
+    if used_ids.size and int(used_ids.min()) < 0:
+        raise KernelConfigError("block_table: a used entry is negative (block 0 is the null block)")
+    num_released = int((used_ids == 0).sum()) if used_ids.size else 0
+    if num_released:  # the blocks this step writes must be real (a query sees its own key)
+        written = np.arange(max_blocks)[None, :] >= ((lens - q_lens) // block_size)[:, None]
+        bad = used & written & (table == 0) & (q_lens > 0)[:, None]
+        if bad.any():
+            r, b = (int(x) for x in np.argwhere(bad)[0])
+            raise KernelConfigError(
+                f"request {r}: block table entry {b} is the null block (released) but this step "
+                "writes tokens there"
+            )
     max_block_id = int(used_ids.max()) if used_ids.size else 0
     if max_block_id > np.iinfo(np.int32).max or int(qsl[-1]) > np.iinfo(np.int32).max:
         raise KernelConfigError("block ids and token counts must fit in int32")
@@ -143,4 +160,5 @@ def plan_attention(
         host_query_start_loc=qsl,
         host_seq_lens=lens,
         host_block_table=table,
+        num_released=num_released,
     )

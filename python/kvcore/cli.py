@@ -237,7 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvcore {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("plan", help="KV capacity per storage format for a config and memory budget")
-    sub.add_parser("eval-kv", help="quality gate of the quantized KV formats on SmolLM2")
+    sub.add_parser(
+        "eval-kv",
+        help="quality gate of the quantized KV formats (or, --retention, of retention policies)",
+    )
     sub.add_parser("serve", help="OpenAI-compatible HTTP server (kvcore serve --help)")
     sub.add_parser("bench", help="serving benchmark: kvcore bench serve --base-url URL ...")
     run = sub.add_parser(

@@ -43,6 +43,7 @@ class EvalContext:
     slot_mapping: torch.Tensor
     meta: Any
     backend: str
+    block_mass: torch.Tensor | None = None  # fp32 [num_seqs, max_blocks], summed over layers
     probes: dict[str, list[Any]] = field(default_factory=dict)  # format -> its caches
     sq_err: dict[str, np.ndarray] = field(default_factory=dict)  # format -> [L] sum of squares
     sq_ref: np.ndarray | None = None  # [L]
@@ -54,7 +55,7 @@ def attend(cache: Any, q, k, v, ctx: EvalContext, scale: float, window, soft_cap
     kk.store_kv(k, v, cache, ctx.slot_mapping, backend=ctx.backend, meta=ctx.meta)
     return kk.paged_attention(
         q, cache, ctx.meta, scale=scale, sliding_window=window, soft_cap=soft_cap,
-        backend=ctx.backend,
+        backend=ctx.backend, block_mass=ctx.block_mass,
     )  # fmt: skip
 
 
@@ -118,26 +119,33 @@ class PagedLM:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def step(self, caches, starts, tokens, *, last_only=False, probes=None, ctx_out=None):
+    def step(self, caches, starts, tokens, *, last_only=False, probes=None, ctx_out=None,
+             released=None, block_mass=None):  # fmt: skip
         """Run one step: ``tokens[r]`` are appended to sequence ``r`` at position ``starts[r]``.
 
         Returns float logits: every token's ``[sum(len), V]``, or ``[num_seqs, V]`` with
         ``last_only``. ``probes``: {format: caches} measured per layer (``ctx_out`` gets the
-        context with their sums).
+        context with their sums). ``released`` (bool ``[num_seqs, blocks per sequence]``):
+        logical blocks a retention policy dropped, null entries in the block table;
+        ``block_mass`` (fp32, same shape) gets every layer's attention mass added.
         """
         bs, num_seqs = self.block_size, len(tokens)
         num_blocks = (caches[0].num_blocks if isinstance(caches[0], QuantKVCache)
                       else caches[0].shape[0])  # fmt: skip
         per_seq = (num_blocks - 1) // num_seqs
         table = 1 + np.arange(num_seqs)[:, None] * per_seq + np.arange(per_seq)[None, :]
+        slot_table = table
+        if released is not None:
+            table = np.where(released[:, :per_seq], 0, table)
         lens = np.array([len(t) for t in tokens])
         pos = np.concatenate([s + np.arange(n) for s, n in zip(starts, lens, strict=True)])
         seq = np.repeat(np.arange(num_seqs), lens)
-        slots = table[seq, pos // bs] * bs + pos % bs
+        slots = slot_table[seq, pos // bs] * bs + pos % bs
         qsl = np.concatenate([[0], np.cumsum(lens)])
         dev = self.device
         meta = kk.plan_attention(qsl, np.asarray(starts) + lens, table, bs, device=dev)
         ctx = EvalContext(caches, torch.from_numpy(slots).to(dev), meta, self.backend)
+        ctx.block_mass = block_mass
         if probes:
             ctx.probes = probes
             ctx.sq_ref = np.zeros(self.num_layers)

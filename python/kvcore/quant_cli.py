@@ -1,7 +1,8 @@
 """``kvcore plan`` and ``kvcore eval-kv``: entry points the ``kvcore`` CLI dispatches to.
 
 * ``plan_main(argv)``: the capacity table of a Hugging Face config for a memory budget.
-* ``eval_kv_main(argv)``: the quality gate on the embedded SmolLM2 (or any supported model):
+* ``eval_kv_main(argv)``: the quality gate on the embedded SmolLM2 (or any supported model)
+  (with ``--retention LIST``, the retention gate instead: ``kvcore.retention_cli``):
   ``name: value unit`` lines per format (bytes per token, perplexity and its change, greedy
   agreement, needle retrieval, per-layer attention error), then one summary table.
 """
@@ -14,6 +15,7 @@ import time
 from typing import Any
 
 from kvcore import cli_args as ca
+from kvcore import retention_cli
 from kvcore.errors import KvCoreError
 
 DEFAULT_EVAL_FORMATS = "fp8_e4m3,fp8_e5m2,int8,int4,kivi4,kivi2,int2"
@@ -78,7 +80,8 @@ def _eval_parser() -> argparse.ArgumentParser:
     a("--rotate", default=None, choices=["none", "k", "v", "kv"], help="override rotations")
     a("--ppl-seqs", type=pos, default=2, help="text sequences for perplexity")
     a("--ppl-len", type=ca.int_at_least(2), default=1024, help="tokens per perplexity sequence")
-    a("--chunk", type=pos, default=256, help="prefill chunk (tokens per step per sequence)")
+    a("--chunk", type=pos, default=None,
+      help="prefill chunk (tokens per step per sequence; default 256, retention 128)")  # fmt: skip
     a("--prompts", type=pos, default=50, help="prompts for greedy agreement")
     a("--prompt-len", type=pos, default=32)
     a("--gen", type=pos, default=64, help="greedy tokens per prompt")
@@ -92,12 +95,18 @@ def _eval_parser() -> argparse.ArgumentParser:
       help="formats the automatic mix may use")  # fmt: skip
     a("--mix-calib-len", type=ca.int_at_least(2), default=512,
       help="calibration tokens of the automatic mix")  # fmt: skip
+    retention_cli.add_arguments(p)
     return p
 
 
 def eval_kv_main(argv: list[str] | None = None) -> int:
     """``kvcore eval-kv --formats LIST --seed S``: the quality table of quantized caches."""
     args = _eval_parser().parse_args(argv)
+    if args.retention is not None:
+        with ca.report_errors("kvcore eval-kv") as status:
+            retention_cli.run(args)
+        return status[0]
+    args.chunk = args.chunk or 256
     mix_cands = args.mix_candidates if args.auto_mix is not None else []
     kivi = [f for f in [*args.formats, *(args.mix or []), *mix_cands] if f.startswith("kivi")]
     ca.check(

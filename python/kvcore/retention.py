@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from kvcore.errors import InvalidArgumentError
 
 KINDS = ("full", "window", "sink", "h2o")
@@ -190,3 +192,43 @@ def parse_retention_list(spec: str) -> list[RetentionPolicy]:
             raise RetentionError(f"retention list {spec!r}: {p.name} given twice")
         out.append(p)
     return out
+
+
+def blocks_to_release(
+    policy: RetentionPolicy,
+    num_tokens: int,
+    block_size: int,
+    live: np.ndarray,
+    mass: np.ndarray | None = None,
+) -> np.ndarray:
+    """Logical blocks a sequence of ``num_tokens`` tokens releases now (int64 indices, ascending).
+
+    ``live`` (bool ``[ceil(num_tokens / block_size)]``): the blocks it still holds; ``mass``
+    (same length, h2o only): each block's accumulated attention (``paged_attention``'s
+    ``block_mass`` summed over steps). Kept: the first ``sink`` blocks, the block being written
+    (partial) plus the last ``window`` full blocks, and for h2o the ``heavy`` live blocks of the
+    middle with the most mass (ties: the later block). A released block never comes back::
+
+        blocks  0 .. sink-1 | middle (h2o: the heavy ones kept)  | window full blocks | partial
+                kept        | released                           | kept               | kept
+    """
+    n = -(-num_tokens // block_size)
+    live = np.asarray(live, dtype=bool)
+    if live.shape != (n,):
+        raise RetentionError(f"live must have {n} entries (blocks of {num_tokens} tokens)")
+    if policy.kind == "full":
+        return np.zeros(0, dtype=np.int64)
+    b = policy.blocks(block_size)
+    full = num_tokens // block_size  # full blocks; block ``full`` (if < n) is being written
+    keep = np.zeros(n, dtype=bool)
+    keep[: min(b.sink, n)] = True
+    keep[max(0, full - b.window) :] = True
+    if policy.kind == "h2o" and b.heavy:
+        if mass is None or np.shape(mass) != (n,):
+            raise RetentionError(f"h2o needs the mass of each of the {n} blocks")
+        cand = np.flatnonzero(live & ~keep)
+        if len(cand) > b.heavy:  # heaviest first; among equals the later block
+            order = np.lexsort((-cand, -np.asarray(mass, dtype=np.float64)[cand]))
+            cand = cand[order[: b.heavy]]
+        keep[cand] = True
+    return np.flatnonzero(live & ~keep).astype(np.int64)

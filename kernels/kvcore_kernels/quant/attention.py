@@ -29,6 +29,11 @@ def paged_attention_quant(
     rotated back; the backends themselves work in the stored basis."""
     if not isinstance(cache, QuantKVCache):
         raise KernelConfigError("cache must be a QuantKVCache (allocate_kv_caches)")
+    if getattr(meta, "num_released", 0):
+        raise KernelConfigError(
+            "released blocks (null block-table entries) are supported on plain caches only, "
+            "not on quantized ones"
+        )
     if check_backend(backend, cache.device) == "triton":
         from kvcore_kernels.quant.attention_triton import paged_attention_quant_triton as run
     else:
