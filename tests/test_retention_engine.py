@@ -98,7 +98,7 @@ def test_hybrid_configs_keep_every_block():
 @pytest.mark.parametrize(
     "spec, match",
     [
-        ("h2o:budget=64", "attention-mass"),
+        ("h2o:budget=8+sink=4+window=8", "smaller than sinks plus window"),
         ("window:-3", "non-negative"),
         ("sink:4+window:0", "at least 1"),
         ("nope", "unknown policy"),

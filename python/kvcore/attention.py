@@ -58,6 +58,9 @@ class AttentionContext:
     layer_group: Any = None
     group_metas: Any = None
     group_slots: Any = None
+    # H2O (kvcore.h2o_engine): float32 [num_reqs, width] the group-0 layers add their attention
+    # mass into (eager path only); None: not asked for
+    block_mass: torch.Tensor | None = None
 
 
 def kvcore_attention(
@@ -106,10 +109,11 @@ def kvcore_attention(
             backend=ctx.backend,
         )
         return out.unsqueeze(0), None
-    meta, slots = ctx.meta, ctx.slot_mapping
+    meta, slots, mass = ctx.meta, ctx.slot_mapping, ctx.block_mass
     if ctx.layer_group is not None and ctx.layer_group[layer_idx]:
         group = ctx.layer_group[layer_idx]
         meta, slots = ctx.group_metas[group - 1], ctx.group_slots[group - 1]
+        mass = None  # a local group's table may be narrower; its layers see the recent blocks
     # A QuantKVCache is quantized on write (the kernels dispatch on the cache type); KIVI's
     # residual plan reads the step's metadata.
     kvcore_kernels.store_kv(k, v, cache, slots, backend=ctx.backend, meta=meta)
@@ -121,6 +125,7 @@ def kvcore_attention(
         sliding_window=sliding_window,
         soft_cap=softcap,
         backend=ctx.backend,
+        **({} if mass is None else {"block_mass": mass}),
     )
     return out.unsqueeze(0), None  # [1, num_tokens, num_q_heads, head_dim]
 

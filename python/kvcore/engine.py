@@ -43,6 +43,7 @@ from kvcore.errors import (
     InvalidArgumentError,
     UnknownRequestError,
 )
+from kvcore.h2o_engine import H2OTracker
 from kvcore.model_runner import (
     ModelRunner,
     kivi_residual_bytes,
@@ -117,6 +118,7 @@ class LLMEngine(StepLoop):
         # Retention (docs/retention.md): policies are checked before anything runs; a hybrid
         # model's KV cache groups make a block hold one group's layers.
         self.retention = RetentionSupport(cc.retention, block_size, formats, config)
+        self.h2o = H2OTracker(block_size)
         self.sliding_window = exact_release_window(config, cc.sliding_window_release, formats)
         self.kv_groups = engine_groups(config, cc, formats)
         if self.kv_groups is not None:
@@ -207,7 +209,8 @@ class LLMEngine(StepLoop):
             raise InvalidArgumentError("request_ids must be unique, one per prompt")
         prios = priorities(priority, n)
         namespaces = [salt_namespace(x) for x in broadcast(cache_salt, n, "cache_salt")]
-        kept = self.retention.blocks(self.retention.resolve(retention, n))
+        policies = self.retention.resolve(retention, n)
+        kept = self.retention.blocks(policies)
         built = []
         for prompt, p in zip(prompts, plist, strict=True):
             text, tokens = prompt_ids(self.tokenizer, prompt)
@@ -239,6 +242,8 @@ class LLMEngine(StepLoop):
                 namespaces,
                 kept,
             )
+            for i, pol in zip(internal, policies, strict=True):
+                self.h2o.add(i, pol)
             for i, rid, (text, tokens, p) in zip(internal, ids, built, strict=True):
                 req = Request.create(
                     rid, i, text, tokens, p, now, self.sampler, self.tokenizer, stream=stream

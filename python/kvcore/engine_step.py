@@ -127,12 +127,13 @@ class StepLoop:
                 return []
             if self._unscheduled:
                 self._stamp_new(plan, start)
+            mass = self.h2o.mass_tensor(plan, self.runner.device)
         try:
             # Outside the lock: other threads may add or abort requests during the forward
             # (no block is allocated before the next schedule(); aborted rows are skipped).
-            logits = self.runner.execute(plan, plan.logits_indices)
+            logits = self.runner.execute(plan, plan.logits_indices, block_mass=mass)
             with self._lock:
-                outputs, num_rows = self._finish_step(plan, logits)
+                outputs, num_rows = self._finish_step(plan, logits, mass)
         except BaseException as exc:
             self._fail_step(plan, exc)
             raise
@@ -154,7 +155,9 @@ class StepLoop:
                 reqs[rid].num_cached_tokens = int(hit)
                 self._unscheduled.discard(rid)
 
-    def _finish_step(self, plan: Any, logits: torch.Tensor) -> tuple[list[RequestOutput], int]:
+    def _finish_step(
+        self, plan: Any, logits: torch.Tensor, mass: torch.Tensor | None = None
+    ) -> tuple[list[RequestOutput], int]:
         reqs = self._requests
         sample_rids = plan.sample_req_ids.tolist()
         sample_idx = plan.sample_seq_index.tolist()
@@ -173,7 +176,8 @@ class StepLoop:
         if len(live) < len(plan.sample_req_ids):
             tokens = np.zeros(len(plan.sample_req_ids), np.int64)
             tokens[live] = out.token_ids
-        fin = self.scheduler.update(plan.step_id, tokens)
+        drops = self.h2o.drops(plan, mass)  # H2O: blocks to give up (kvcore.h2o_engine)
+        fin = self.scheduler.update(plan.step_id, tokens, drop_blocks=drops if len(drops) else None)
         now = time.perf_counter()
         touched = Request.record(reqs, sample_rids, rows, out, now)
         done = set()  # requests the scheduler no longer holds
@@ -222,6 +226,7 @@ class StepLoop:
 
     def _retire(self, internal_id: int, now: float) -> RequestOutput:
         req = self._requests.pop(internal_id)
+        self.h2o.forget(internal_id)
         del self._ids[req.request_id]
         self._unscheduled.discard(internal_id)
         req.release(self.sampler)

@@ -258,19 +258,23 @@ class ModelRunner:
         slot_mapping: torch.Tensor,
         keep: torch.Tensor,
         meta: Any,
+        block_mass: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One forward (compiled when on); logits [len(keep), vocab]."""
-        ctx = AttentionContext(self.kv_caches, slot_mapping, meta, self.backend, self.use_op)
+        """One forward (compiled when on; eager when ``block_mass`` is asked for, which only the
+        kernels called directly fill); logits [len(keep), vocab]."""
+        use_op = self.use_op and block_mass is None
+        ctx = AttentionContext(self.kv_caches, slot_mapping, meta, self.backend, use_op)
+        ctx.block_mass = block_mass
         if self.kv_groups is not None:
             ctx.layer_group, ctx.group_metas, ctx.group_slots = self._group_step
-        if self.use_op:
+        if use_op:
             ctx.query_start_loc, ctx.seq_lens = meta.query_start_loc, meta.seq_lens
             ctx.block_table = meta.block_table
             attach_plan(meta.seq_lens, meta)
         if self.model.config._attn_implementation != BACKEND_NAME:
             use_kvcore_attention(self.model)  # someone switched it (e.g. a transformers peer run)
         forward = self.model
-        if self.compiled is not None:
+        if self.compiled is not None and use_op:
             forward = self.compiled
             mark_step_dynamic(
                 (input_ids, (1,)),
@@ -326,8 +330,11 @@ class ModelRunner:
         return self.kv_groups.layer_group, metas, slots
 
     @torch.inference_mode()
-    def execute(self, plan: Any, logits_indices: np.ndarray) -> torch.Tensor:
-        """Run ``plan``'s forward; returns logits [len(logits_indices), vocab] (float)."""
+    def execute(
+        self, plan: Any, logits_indices: np.ndarray, block_mass: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run ``plan``'s forward; returns logits [len(logits_indices), vocab] (float).
+        ``block_mass`` (H2O): filled with the step's attention mass per (row, logical block)."""
         if self.tier_hook is not None:  # publish, offload L1->L2, load L2->L1 (before copy_ops)
             self.tier_hook(plan)
         self.apply_copy_ops(np.asarray(plan.copy_ops))
@@ -339,7 +346,8 @@ class ModelRunner:
         if cuda:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        logits = self.graphs.replay(plan) if self.graphs is not None else None
+        graphs = self.graphs if block_mass is None else None
+        logits = graphs.replay(plan) if graphs is not None else None
         if logits is not None:  # rows [0, n): pick the sampled ones
             n = logits.shape[0]
             if not (len(logits_indices) == n and np.array_equal(logits_indices, np.arange(n))):
@@ -361,7 +369,9 @@ class ModelRunner:
             )
             if self.kv_groups is not None:
                 self._group_step = self._plan_groups(plan)
-            logits = self._forward(input_ids[None], positions[None], slot_mapping, keep, meta)
+            logits = self._forward(
+                input_ids[None], positions[None], slot_mapping, keep, meta, block_mass
+            )
         if cuda:  # read after the sampler's sync: no sync here
             events[1].record()
             self._pending.append(events)

@@ -152,9 +152,7 @@ class RetentionSupport:
         if not p.lossy:
             return p
         why = None
-        if p.kind == "h2o":
-            why = "h2o needs the attention kernels' attention-mass side output (not wired yet)"
-        elif getattr(self.config, "kv_lora_rank", None):
+        if getattr(self.config, "kv_lora_rank", None):
             why = "MLA caches do not support lossy retention"
         elif any(f != "auto" for f in self.formats):
             why = f"quantized KV formats ({', '.join(sorted(set(self.formats)))}) are not supported"
@@ -170,8 +168,10 @@ class RetentionSupport:
         sinks, windows = [], []
         for p in policies:
             b = p.blocks(self.block_size)
-            sinks.append(b.sink)
-            windows.append(b.window)
+            # h2o has no scheduler-side rule (it would release the heavy hitters too): the
+            # engine's drops (kvcore.h2o_engine) alone keep it within its budget
+            sinks.append(0 if p.kind == "h2o" else b.sink)
+            windows.append(0 if p.kind == "h2o" else b.window)
         return np.asarray(sinks, np.int64), np.asarray(windows, np.int64)
 
     def resolve(self, retention: Any, n: int) -> list[RetentionPolicy]:
