@@ -216,3 +216,12 @@ def test_scheduler_takes_drops_through_update():
         s.update(p.step_id, np.zeros(len(p.logits_indices), np.int64))
     s.check_invariants()
     assert s.stats().num_free_blocks == 63
+
+
+def test_has_released_looks_only_inside_used_blocks():
+    from kvcore.retention_engine import has_released
+
+    table = np.array([[3, 4, 0, 0], [5, 0, 6, 0]], np.int32)  # trailing zeros: padding
+    assert not has_released(table[:1], np.array([8]), 4)
+    assert has_released(table, np.array([8, 12]), 4)  # row 1: block 1 released
+    assert not has_released(table, np.array([8, 4]), 4)

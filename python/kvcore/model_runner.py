@@ -61,7 +61,7 @@ from kvcore.mla import (
     install_mla,
     is_mla_config,
 )
-from kvcore.retention_engine import fill_released
+from kvcore.retention_engine import fill_released, has_released
 from kvcore.windows import layer_windows
 
 logger = logging.getLogger("kvcore")
@@ -347,6 +347,10 @@ class ModelRunner:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         graphs = self.graphs if block_mass is None else None
+        # A captured graph froze its kernels' launch (no released-entry masking): released
+        # entries (null) run eagerly, where the kernels plan around them.
+        if graphs is not None and has_released(plan.block_table, plan.seq_lens, self.block_size):
+            graphs = None
         logits = graphs.replay(plan) if graphs is not None else None
         if logits is not None:  # rows [0, n): pick the sampled ones
             n = logits.shape[0]

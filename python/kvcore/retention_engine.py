@@ -64,6 +64,12 @@ def kernels_take_null_entries() -> bool:
     return True
 
 
+def has_released(table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> bool:
+    """Whether a row of ``table`` has a null (released) entry inside its used blocks."""
+    used = np.arange(table.shape[1])[None, :] < (-(-seq_lens // block_size))[:, None]
+    return bool((used & (table == 0)).any())
+
+
 def fill_released(table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> np.ndarray:
     """``table`` with each null entry inside a row's used blocks replaced by the row's last used
     block (exact windows only: such an entry is never read). Returns ``table`` when none."""
