@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from kvcore_kernels.quant import QuantKVCache
 
+from kvcore._kvcore import copy_block_rows
 from kvcore.errors import InvalidArgumentError
 from kvcore.tiers.codec import BlockCodec
 from kvcore.tiers.stores import DiskStore, RedisStore
@@ -92,6 +93,13 @@ class TierManager:
             torch.zeros((host_blocks, r.shape[1]), dtype=r.dtype, pin_memory=pin)
             for r in self.layers
         ]
+        # CPU: loads and offloads copy each row once, in Rust, through NumPy views (no copy).
+        self._np = None
+        if self.device.type == "cpu":
+            self._np = (
+                [r.view(torch.uint8).numpy() for r in self.layers],
+                [h.view(torch.uint8).numpy() for h in self.host],
+            )
         self.codec, self.disk, self.remote = codec, disk, remote
         self.fetch_timeout_s = fetch_timeout_s
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcore-tier")
@@ -123,22 +131,12 @@ class TierManager:
             self.io.submit(self._publish, keys, toks, data)
         off = plan.tier_offload
         if len(off):
-            src = torch.as_tensor(off[:, 0].astype(np.int64), device=self.device)
-            dst = torch.as_tensor(off[:, 1].astype(np.int64))
-            for rows, host in zip(self.layers, self.host, strict=True):
-                host.index_copy_(0, dst, rows.index_select(0, src).cpu())
+            self._copy(np.asarray(off), to_host=True)
             self.bytes_offloaded += len(off) * self.block_bytes
         load = plan.tier_load
         if len(load):
             start = time.perf_counter()
-            src = torch.as_tensor(load[:, 0].astype(np.int64))
-            dst = torch.as_tensor(load[:, 1].astype(np.int64), device=self.device)
-            for rows, host in zip(self.layers, self.host, strict=True):
-                rows.index_copy_(
-                    0, dst, host.index_select(0, src).to(self.device, non_blocking=True)
-                )
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            self._copy(np.asarray(load), to_host=False)
             dt = time.perf_counter() - start
             self.load_seconds += dt
             self.load_latency_s.append(dt)
@@ -149,6 +147,27 @@ class TierManager:
             toks = io.fetch_tokens[offsets[i] : offsets[i + 1]].copy()
             fut = self.io.submit(self._fetch, keys, toks)
             self._fetches[kv_id] = (fut, time.perf_counter(), keys, toks)
+
+    def _copy(self, pairs: np.ndarray, to_host: bool) -> None:
+        """Rows ``pairs[:, 0]`` -> ``pairs[:, 1]`` of every layer: pool -> L2 (``to_host``) or
+        L2 -> pool. CPU: one pass per row in Rust (``copy_block_rows``; a torch gather then
+        scatter copies each byte twice). CUDA: a host gather, one transfer, a device scatter."""
+        if self._np is not None:
+            pool, host = self._np
+            dst, src = (host, pool) if to_host else (pool, host)
+            copy_block_rows(dst, src, pairs, threads=torch.get_num_threads())
+            return
+        src = torch.as_tensor(pairs[:, 0].astype(np.int64))
+        dst = torch.as_tensor(pairs[:, 1].astype(np.int64))
+        if to_host:
+            src = src.to(self.device)
+            for rows, host in zip(self.layers, self.host, strict=True):
+                host.index_copy_(0, dst, rows.index_select(0, src).cpu())
+            return
+        dst = dst.to(self.device)
+        for rows, host in zip(self.layers, self.host, strict=True):
+            rows.index_copy_(0, dst, host.index_select(0, src).to(self.device, non_blocking=True))
+        torch.cuda.synchronize(self.device)
 
     def _publish(self, keys: np.ndarray, toks: np.ndarray, rows: np.ndarray) -> None:
         items = [
