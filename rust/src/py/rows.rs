@@ -15,7 +15,7 @@ fn layers<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Vec<Bound<'py, P
         .map_err(|_| invalid(format!("{name} must be a list of 2-D uint8 arrays")))?;
     it.map(|a| {
         let a = a?;
-        a.cast::<PyArray2<u8>>().map(|x| x.clone()).map_err(|_| {
+        a.cast::<PyArray2<u8>>().cloned().map_err(|_| {
             invalid(format!(
                 "{name} must hold 2-D uint8 arrays, got {}",
                 describe(&a)
