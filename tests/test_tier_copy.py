@@ -9,6 +9,7 @@ import torch
 from kvcore._kvcore import copy_block_rows
 from kvcore.errors import InvalidArgumentError
 from kvcore.tiers import BlockCodec, TierManager
+from kvcore.tiers.stores import DiskStore
 
 
 def layers(rng, rows: int, widths: list[int]) -> list[np.ndarray]:
@@ -69,5 +70,40 @@ def test_tier_manager_offload_then_load_round_trips_bf16_rows():
             assert torch.equal(c[9], o[2]) and torch.equal(c[1], o[7])
             keep = [i for i in range(10) if i not in (1, 9)]
             assert torch.equal(c[keep], o[keep])
+    finally:
+        tm.close()
+
+
+class CountingDisk(DiskStore):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gets: list[str] = []
+
+    def get(self, hexkey: str) -> bytes | None:
+        self.gets.append(hexkey)
+        return super().get(hexkey)
+
+
+def test_fetches_of_one_step_read_each_shared_block_once(tmp_path):
+    """Three waiting sequences share a 3-block prefix on disk; one of them has a fourth block
+    that is missing: the disk is read 4 times, not 3 + 3 + 4 (what one fetch per sequence
+    read), and each sequence gets its own leading run."""
+    caches = [torch.zeros(6, 2, 4, 1, 2) for _ in range(2)]  # 64 B rows, 128 B blocks
+    codec = BlockCodec("fp", 2, "fp32", 4)
+    disk = CountingDisk(tmp_path, 1 << 20)
+    tm = TierManager(caches, host_blocks=4, codec=codec, disk=disk, io_threads=1)
+    try:
+        rng = np.random.default_rng(0)
+        keys = rng.integers(0, 256, (4, 32), dtype=np.uint8)
+        toks = rng.integers(0, 500, (4, 4)).astype(np.int32)
+        rows = rng.integers(0, 256, (3, tm.block_bytes), dtype=np.uint8)
+        tm._publish(keys[:3], toks[:3], rows)  # block 3 never written
+        wants = [(7, keys[:3], toks[:3]), (8, keys, toks), (9, keys[:2], toks[:2])]
+        got = tm._fetch_batch(wants)
+        assert sorted(disk.gets) == sorted(k.tobytes().hex() for k in keys)
+        assert tm.fetch_reads == 4
+        assert [len(got[i]) for i in (7, 8, 9)] == [3, 3, 2]
+        for j, (payload, tier) in enumerate(got[8]):
+            assert tier == 3 and payload == rows[j].tobytes()
     finally:
         tm.close()

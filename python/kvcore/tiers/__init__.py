@@ -103,7 +103,8 @@ class TierManager:
         self.codec, self.disk, self.remote = codec, disk, remote
         self.fetch_timeout_s = fetch_timeout_s
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcore-tier")
-        self._fetches: dict[int, tuple[Future, float, np.ndarray, np.ndarray]] = {}
+        self._fetches: dict[int, tuple[Future, float]] = {}  # kv id -> (its step's job, start)
+        self.fetch_reads = 0  # distinct keys read from L3/L4 (fetches share reads per step)
         self.bytes_offloaded = self.bytes_loaded = self.bytes_published = 0
         self.load_seconds = 0.0
         self.load_latency_s: list[float] = []  # per step that loads from L2
@@ -141,12 +142,19 @@ class TierManager:
             self.load_seconds += dt
             self.load_latency_s.append(dt)
             self.bytes_loaded += len(load) * self.block_bytes
-        offsets = io.fetch_offsets
-        for i, kv_id in enumerate(io.fetch_seqs.tolist()):
-            keys = io.fetch_keys[offsets[i] : offsets[i + 1]].copy()
-            toks = io.fetch_tokens[offsets[i] : offsets[i + 1]].copy()
-            fut = self.io.submit(self._fetch, keys, toks)
-            self._fetches[kv_id] = (fut, time.perf_counter(), keys, toks)
+        if len(io.fetch_seqs):  # one background job for the step's fetches (deduplicated)
+            offsets = io.fetch_offsets
+            wants = [
+                (
+                    kv_id,
+                    io.fetch_keys[offsets[i] : offsets[i + 1]].copy(),
+                    io.fetch_tokens[offsets[i] : offsets[i + 1]].copy(),
+                )
+                for i, kv_id in enumerate(io.fetch_seqs.tolist())
+            ]
+            fut = self.io.submit(self._fetch_batch, wants)
+            for kv_id, _, _ in wants:
+                self._fetches[kv_id] = (fut, time.perf_counter())
 
     def _copy(self, pairs: np.ndarray, to_host: bool) -> None:
         """Rows ``pairs[:, 0]`` -> ``pairs[:, 1]`` of every layer: pool -> L2 (``to_host``) or
@@ -180,28 +188,43 @@ class TierManager:
         if self.remote is not None:
             self.remote.put_many(items)
 
-    def _fetch(self, keys: np.ndarray, toks: np.ndarray) -> list[tuple[bytes, int]]:
-        """Leading blocks of ``keys`` found in L3, then L4: ``[(payload, tier)]``."""
-        out: list[tuple[bytes, int]] = []
-        hexes = [k.tobytes().hex() for k in keys]
-        n = len(hexes)
-        if self.disk is not None:
-            while len(out) < n:
-                i = len(out)
-                p = self.codec.decode(
-                    self.disk.get(hexes[i]), keys[i].tobytes(), toks[i], self.block_bytes
-                )
+    def _fetch_batch(self, wants: list[tuple[int, np.ndarray, np.ndarray]]) -> dict:
+        """Per sequence ``kv_id``: the leading blocks of its keys found in L3, then L4, as
+        ``[(payload, tier)]``. Each distinct key is read at most once per tier per batch
+        (sequences that share a system prompt ask for the same blocks): L3 block by block,
+        L4 in one ``MGET`` of every key some sequence still needs."""
+        disk: dict[str, bytes | None] = {}
+        out: dict[int, list[tuple[bytes, int]]] = {}
+        for kv_id, keys, toks in wants:
+            got = out[kv_id] = []
+            if self.disk is None:
+                continue
+            for k, t in zip(keys, toks, strict=True):
+                h = k.tobytes().hex()
+                if h not in disk:
+                    self.fetch_reads += 1
+                    disk[h] = self.codec.decode(self.disk.get(h), k.tobytes(), t, self.block_bytes)
+                if disk[h] is None:
+                    break
+                got.append((disk[h], 3))
+        if self.remote is None:
+            return out
+        need = list(
+            dict.fromkeys(
+                k.tobytes().hex() for kv_id, keys, _ in wants for k in keys[len(out[kv_id]) :]
+            )
+        )
+        if not need:
+            return out
+        self.fetch_reads += len(need)
+        values = dict(zip(need, self.remote.get_many(need), strict=True))
+        for kv_id, keys, toks in wants:
+            got = out[kv_id]
+            for k, t in zip(keys[len(got) :], toks[len(got) :], strict=True):
+                p = self.codec.decode(values[k.tobytes().hex()], k.tobytes(), t, self.block_bytes)
                 if p is None:
                     break
-                out.append((p, 3))
-        if self.remote is not None and len(out) < n:
-            start = len(out)
-            for j, v in enumerate(self.remote.get_many(hexes[start:])):
-                i = start + j
-                p = self.codec.decode(v, keys[i].tobytes(), toks[i], self.block_bytes)
-                if p is None:
-                    break
-                out.append((p, 4))
+                got.append((p, 4))
         return out
 
     # ---- between steps ----------------------------------------------------------------
@@ -216,10 +239,10 @@ class TierManager:
         slots; refreshes the swap cost model."""
         now = time.perf_counter()
         done: list[tuple[int, list[tuple[bytes, int]]]] = []
-        for kv_id, (fut, start, _, _) in list(self._fetches.items()):
+        for kv_id, (fut, start) in list(self._fetches.items()):
             if fut.done() or now - start > self.fetch_timeout_s:
                 try:
-                    got = fut.result(timeout=0) if fut.done() else []
+                    got = fut.result(timeout=0)[kv_id] if fut.done() else []
                 except Exception:  # a failed fetch is a miss
                     got = []
                 done.append((kv_id, got))
@@ -260,6 +283,7 @@ class TierManager:
             "tier_load_p95_ms": percentile_ms(self.load_latency_s, 95),
             "tier_fetch_p50_ms": percentile_ms(self.fetch_latency_s, 50),
             "tier_fetch_p95_ms": percentile_ms(self.fetch_latency_s, 95),
+            "tier_fetch_reads": self.fetch_reads,
             "tier_swap_outs": st["swap_outs"],
             "tier_swap_ins": st["swap_ins"],
             "tier_host_evictions": st["host_evictions"],
