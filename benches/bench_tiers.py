@@ -17,8 +17,10 @@ conversation's final turn cold (empty L1 and L2) against the Redis the first L4 
 Lines: hit rates (prefix hit tokens / prompt tokens) per configuration, ``tiered_over_unbounded``,
 TTFT p50 of the pool alone and with L2, their ratio, ``remote_hit_fraction_second_process``
 (prompt tokens of the second process fetched from L4 / its prompt tokens), ``load_bw_fraction``
-(L2->L1 load bandwidth / a plain torch copy of the same bytes, measured in this run), and
-``outputs_equal`` (1 when every configuration's greedy tokens are identical).
+(L2->L1 load bandwidth / a plain torch ``copy_`` of a mean load's bytes from the run's own L2
+tensors into its pool tensors, after the run), and ``outputs_equal`` (1 when every
+configuration's greedy tokens are identical). ``--configs`` picks a subset (the unbounded pool,
+the pool alone and L2 always run).
 
     python benches/bench_tiers.py --seed 0 [--model tiny|smollm2] [--remote redis://...]
 """
@@ -38,6 +40,8 @@ import numpy as np
 import torch
 
 MODELS = {"tiny": "tiny-llama", "smollm2": "smollm2-135m"}
+# unbounded, pool_only and tiered always run (the targets compare them).
+ALL_CONFIGS = ["unbounded", "pool_only", "tiered", "l2_l3", "l4_first"]
 
 
 def make_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
@@ -93,15 +97,31 @@ def hit_rate(llm) -> float:
     return st.prefix_hit_tokens / max(1, st.prefix_query_tokens)
 
 
-def plain_copy_bw(nbytes: int, repeats: int = 20) -> float:
-    """Bytes/s of a plain torch copy of ``nbytes`` host bytes into a pool-sized tensor."""
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    return nbytes * repeats / (time.perf_counter() - start)
+def reference_copy_bw(tiers, blocks: int, repeats: int = 20) -> tuple[float, float]:
+    """Bytes/s of two references moving ``blocks`` blocks from the run's L2 tensors into its
+    pool tensors, every layer (the same bytes a mean load moves; the run is over, so the pool
+    may be overwritten): a plain torch ``copy_`` of contiguous row ranges (the target's
+    reference), and the torch gather + scatter (``index_select`` + ``index_copy_``) of random
+    rows that loads used before ``copy_block_rows``. Source ranges rotate over L2."""
+    pool_rows, host_rows = tiers.layers[0].shape[0], tiers.host[0].shape[0]
+    k = max(1, min(blocks, pool_rows - 1, host_rows))
+    rng = np.random.default_rng(0)
+    nbytes = k * tiers.block_bytes * repeats
+    out = []
+    for kind in ("plain", "gather"):
+        start = time.perf_counter()
+        for r in range(repeats):
+            a = (r * k) % max(1, host_rows - k + 1)
+            if kind == "plain":
+                for rows, host in zip(tiers.layers, tiers.host, strict=True):
+                    rows[1 : 1 + k].copy_(host[a : a + k])
+            else:
+                src = torch.as_tensor(rng.choice(host_rows, k, replace=False))
+                dst = torch.as_tensor(rng.choice(np.arange(1, pool_rows), k, replace=False))
+                for rows, host in zip(tiers.layers, tiers.host, strict=True):
+                    rows.index_copy_(0, dst, host.index_select(0, src))
+        out.append(nbytes / (time.perf_counter() - start))
+    return out[0], out[1]
 
 
 def start_redis(workdir: str):
@@ -142,6 +162,12 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--pool-ratio", type=float, default=4.5)
+    ap.add_argument(
+        "--configs",
+        type=lambda v: v.split(","),
+        default=ALL_CONFIGS,
+        help="comma-separated subset of " + ",".join(ALL_CONFIGS) + " (default: all)",
+    )
     return ap.parse_args(argv)
 
 
@@ -169,7 +195,9 @@ def main() -> None:
     print(f"pool_tokens: {pool_blocks * bs} tok")
     print(f"working_set_over_pool: {working / (pool_blocks * bs):.2f} x")
     tmp = tempfile.mkdtemp(prefix="kvcore-bench-tiers-")
-    server, url = (None, args.remote) if args.remote else start_redis(tmp)
+    server, url = None, args.remote
+    if url is None and "l4_first" in args.configs:
+        server, url = start_redis(tmp)
     configs = {
         "unbounded": {"num_blocks": 4 * (working // bs) + 64},
         "pool_only": {"num_blocks": pool_blocks},
@@ -181,12 +209,14 @@ def main() -> None:
             "disk_bytes": 4 * ws_bytes,
         },
     }
-    if url:
+    if url and "l4_first" in args.configs:
         configs["l4_first"] = {
             "num_blocks": pool_blocks,
             "host_kv_bytes": ws_bytes,
             "remote_url": url,
         }
+    keep = set(args.configs) | {"unbounded", "pool_only", "tiered"}
+    configs = {k: v for k, v in configs.items() if k in keep}
     results = {}
     try:
         for name, kw in configs.items():
@@ -205,7 +235,7 @@ def main() -> None:
         ref = results["unbounded"][0]
         equal = all(r[0] == ref for r in results.values())
         second = None
-        if url:
+        if url and "l4_first" in configs:
             kw = {"num_blocks": pool_blocks, "host_kv_bytes": ws_bytes, "remote_url": url}
             argv = sys.argv[1:]
             refs = json.dumps({f"{c},{t}": v for (c, t), v in ref.items()})
@@ -246,14 +276,17 @@ def main() -> None:
         print(f"remote_hit_fraction_second_process: {frac:.4f} frac  (target >= 0.80)")
         print(f"hit_rate_second_process: {second['hit_rate']:.4f} frac")
     else:
-        print("remote_hit_fraction_second_process: nan frac  (no redis-server)")
+        why = "l4_first not run" if "l4_first" not in args.configs else "no redis-server"
+        print(f"remote_hit_fraction_second_process: nan frac  ({why})")
     tiers = results["tiered"][2].engine.tiers
     if tiers.load_seconds > 0:
         ours = tiers.bytes_loaded / tiers.load_seconds
-        per_load = max(block_bytes, tiers.bytes_loaded // max(1, len(tiers.load_latency_s)))
-        plain = plain_copy_bw(per_load)
+        per_load = tiers.bytes_loaded // max(1, len(tiers.load_latency_s))
+        plain, gather = reference_copy_bw(tiers, max(1, per_load // block_bytes))
+        print(f"blocks_per_load: {per_load / block_bytes:.1f} blocks")
         print(f"load_bw_gbps: {ours / 1e9:.3f} GB/s")
         print(f"plain_copy_bw_gbps: {plain / 1e9:.3f} GB/s")
+        print(f"torch_gather_scatter_bw_gbps: {gather / 1e9:.3f} GB/s")
         print(f"load_bw_fraction: {ours / plain:.4f} frac  (target >= 0.50)")
     else:
         print("load_bw_fraction: nan frac  (no L2 load)")

@@ -25,6 +25,7 @@ __all__ = [
     "TooLongError",
     "UnknownRequestError",
     "__version__",
+    "copy_block_rows",
 ]
 
 # A 1-D integer array (any integer dtype), or a sequence of Python ints.
@@ -712,3 +713,16 @@ class Scheduler:
     @property
     def outstanding_step(self) -> int | None:
         """The step awaiting ``update``, if any."""
+
+def copy_block_rows(
+    dst: Sequence[NDArray[np.uint8]],
+    src: Sequence[NDArray[np.uint8]],
+    pairs: NDArray[np.int32] | NDArray[np.int64],
+    threads: int = 1,
+) -> None:
+    """Copies row ``pairs[i, 0]`` of ``src[l]`` to row ``pairs[i, 1]`` of ``dst[l]`` for every
+    pair and layer ``l``, one pass per row with the GIL released, over up to ``threads``
+    threads (by layer). ``dst``/``src``: one C-contiguous 2-D ``uint8`` array per layer, the
+    same row width per layer pair (NumPy views of the pool's and the host tier's tensors).
+    Raises ``InvalidArgumentError`` (nothing copied) on a layer count or row width mismatch,
+    an index out of range, a non-contiguous or aliased array."""

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from kvcore_kernels.quant import QuantKVCache
 
+from kvcore._kvcore import copy_block_rows
 from kvcore.errors import InvalidArgumentError
 from kvcore.tiers.codec import BlockCodec
 from kvcore.tiers.stores import DiskStore, RedisStore
@@ -93,10 +94,18 @@ class TierManager:
             torch.zeros((host_blocks, r.shape[1]), dtype=r.dtype, pin_memory=pin)
             for r in self.layers
         ]
+        # CPU: loads and offloads copy each row once, in Rust, through NumPy views (no copy).
+        self._np = None
+        if self.device.type == "cpu":
+            self._np = (
+                [r.view(torch.uint8).numpy() for r in self.layers],
+                [h.view(torch.uint8).numpy() for h in self.host],
+            )
         self.codec, self.disk, self.remote = codec, disk, remote
         self.fetch_timeout_s = fetch_timeout_s
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcore-tier")
-        self._fetches: dict[int, tuple[Future, float, np.ndarray, np.ndarray]] = {}
+        self._fetches: dict[int, tuple[Future, float]] = {}  # kv id -> (its step's job, start)
+        self.fetch_reads = 0  # distinct keys read from L3/L4 (fetches share reads per step)
         self._publishing: list[Future] = []  # write-throughs not yet known to be done
         self.bytes_offloaded = self.bytes_loaded = self.bytes_published = 0
         self.load_seconds = 0.0
@@ -126,32 +135,50 @@ class TierManager:
             self._publishing.append(self.io.submit(self._publish, keys, toks, data))
         off = plan.tier_offload
         if len(off):
-            src = torch.as_tensor(off[:, 0].astype(np.int64), device=self.device)
-            dst = torch.as_tensor(off[:, 1].astype(np.int64))
-            for rows, host in zip(self.layers, self.host, strict=True):
-                host.index_copy_(0, dst, rows.index_select(0, src).cpu())
+            self._copy(np.asarray(off), to_host=True)
             self.bytes_offloaded += len(off) * self.block_bytes
         load = plan.tier_load
         if len(load):
             start = time.perf_counter()
-            src = torch.as_tensor(load[:, 0].astype(np.int64))
-            dst = torch.as_tensor(load[:, 1].astype(np.int64), device=self.device)
-            for rows, host in zip(self.layers, self.host, strict=True):
-                rows.index_copy_(
-                    0, dst, host.index_select(0, src).to(self.device, non_blocking=True)
-                )
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            self._copy(np.asarray(load), to_host=False)
             dt = time.perf_counter() - start
             self.load_seconds += dt
             self.load_latency_s.append(dt)
             self.bytes_loaded += len(load) * self.block_bytes
-        offsets = io.fetch_offsets
-        for i, kv_id in enumerate(io.fetch_seqs.tolist()):
-            keys = io.fetch_keys[offsets[i] : offsets[i + 1]].copy()
-            toks = io.fetch_tokens[offsets[i] : offsets[i + 1]].copy()
-            fut = self.io.submit(self._fetch, keys, toks)
-            self._fetches[kv_id] = (fut, time.perf_counter(), keys, toks)
+        if len(io.fetch_seqs):  # one background job for the step's fetches (deduplicated)
+            offsets = io.fetch_offsets
+            wants = [
+                (
+                    kv_id,
+                    io.fetch_keys[offsets[i] : offsets[i + 1]].copy(),
+                    io.fetch_tokens[offsets[i] : offsets[i + 1]].copy(),
+                )
+                for i, kv_id in enumerate(io.fetch_seqs.tolist())
+            ]
+            fut = self.io.submit(self._fetch_batch, wants)
+            for kv_id, _, _ in wants:
+                self._fetches[kv_id] = (fut, time.perf_counter())
+
+    def _copy(self, pairs: np.ndarray, to_host: bool) -> None:
+        """Rows ``pairs[:, 0]`` -> ``pairs[:, 1]`` of every layer: pool -> L2 (``to_host``) or
+        L2 -> pool. CPU: one pass per row in Rust (``copy_block_rows``; a torch gather then
+        scatter copies each byte twice). CUDA: a host gather, one transfer, a device scatter."""
+        if self._np is not None:
+            pool, host = self._np
+            dst, src = (host, pool) if to_host else (pool, host)
+            copy_block_rows(dst, src, pairs, threads=torch.get_num_threads())
+            return
+        src = torch.as_tensor(pairs[:, 0].astype(np.int64))
+        dst = torch.as_tensor(pairs[:, 1].astype(np.int64))
+        if to_host:
+            src = src.to(self.device)
+            for rows, host in zip(self.layers, self.host, strict=True):
+                host.index_copy_(0, dst, rows.index_select(0, src).cpu())
+            return
+        dst = dst.to(self.device)
+        for rows, host in zip(self.layers, self.host, strict=True):
+            rows.index_copy_(0, dst, host.index_select(0, src).to(self.device, non_blocking=True))
+        torch.cuda.synchronize(self.device)
 
     def _publish(self, keys: np.ndarray, toks: np.ndarray, rows: np.ndarray) -> None:
         items = [
@@ -164,28 +191,43 @@ class TierManager:
         if self.remote is not None:
             self.remote.put_many(items)
 
-    def _fetch(self, keys: np.ndarray, toks: np.ndarray) -> list[tuple[bytes, int]]:
-        """Leading blocks of ``keys`` found in L3, then L4: ``[(payload, tier)]``."""
-        out: list[tuple[bytes, int]] = []
-        hexes = [k.tobytes().hex() for k in keys]
-        n = len(hexes)
-        if self.disk is not None:
-            while len(out) < n:
-                i = len(out)
-                p = self.codec.decode(
-                    self.disk.get(hexes[i]), keys[i].tobytes(), toks[i], self.block_bytes
-                )
+    def _fetch_batch(self, wants: list[tuple[int, np.ndarray, np.ndarray]]) -> dict:
+        """Per sequence ``kv_id``: the leading blocks of its keys found in L3, then L4, as
+        ``[(payload, tier)]``. Each distinct key is read at most once per tier per batch
+        (sequences that share a system prompt ask for the same blocks): L3 block by block,
+        L4 in one ``MGET`` of every key some sequence still needs."""
+        disk: dict[str, bytes | None] = {}
+        out: dict[int, list[tuple[bytes, int]]] = {}
+        for kv_id, keys, toks in wants:
+            got = out[kv_id] = []
+            if self.disk is None:
+                continue
+            for k, t in zip(keys, toks, strict=True):
+                h = k.tobytes().hex()
+                if h not in disk:
+                    self.fetch_reads += 1
+                    disk[h] = self.codec.decode(self.disk.get(h), k.tobytes(), t, self.block_bytes)
+                if disk[h] is None:
+                    break
+                got.append((disk[h], 3))
+        if self.remote is None:
+            return out
+        need = list(
+            dict.fromkeys(
+                k.tobytes().hex() for kv_id, keys, _ in wants for k in keys[len(out[kv_id]) :]
+            )
+        )
+        if not need:
+            return out
+        self.fetch_reads += len(need)
+        values = dict(zip(need, self.remote.get_many(need), strict=True))
+        for kv_id, keys, toks in wants:
+            got = out[kv_id]
+            for k, t in zip(keys[len(got) :], toks[len(got) :], strict=True):
+                p = self.codec.decode(values[k.tobytes().hex()], k.tobytes(), t, self.block_bytes)
                 if p is None:
                     break
-                out.append((p, 3))
-        if self.remote is not None and len(out) < n:
-            start = len(out)
-            for j, v in enumerate(self.remote.get_many(hexes[start:])):
-                i = start + j
-                p = self.codec.decode(v, keys[i].tobytes(), toks[i], self.block_bytes)
-                if p is None:
-                    break
-                out.append((p, 4))
+                got.append((p, 4))
         return out
 
     # ---- between steps ----------------------------------------------------------------
@@ -200,10 +242,10 @@ class TierManager:
         slots; refreshes the swap cost model."""
         now = time.perf_counter()
         done: list[tuple[int, list[tuple[bytes, int]]]] = []
-        for kv_id, (fut, start, _, _) in list(self._fetches.items()):
+        for kv_id, (fut, start) in list(self._fetches.items()):
             if fut.done() or now - start > self.fetch_timeout_s:
                 try:
-                    got = fut.result(timeout=0) if fut.done() else []
+                    got = fut.result(timeout=0)[kv_id] if fut.done() else []
                 except Exception:  # a failed fetch is a miss
                     got = []
                 done.append((kv_id, got))
@@ -249,6 +291,7 @@ class TierManager:
             "tier_load_p95_ms": percentile_ms(self.load_latency_s, 95),
             "tier_fetch_p50_ms": percentile_ms(self.fetch_latency_s, 50),
             "tier_fetch_p95_ms": percentile_ms(self.fetch_latency_s, 95),
+            "tier_fetch_reads": self.fetch_reads,
             "tier_swap_outs": st["swap_outs"],
             "tier_swap_ins": st["swap_ins"],
             "tier_host_evictions": st["host_evictions"],

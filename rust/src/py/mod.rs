@@ -14,6 +14,7 @@ pub(crate) mod errors;
 mod lock;
 mod manager;
 mod manager_args;
+mod rows;
 mod sched_args;
 mod scheduler;
 mod step_output;
@@ -26,5 +27,6 @@ fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<manager::PyKvCacheManager>()?;
     scheduler::register(m)?;
+    m.add_function(wrap_pyfunction!(rows::copy_block_rows, m)?)?;
     Ok(())
 }

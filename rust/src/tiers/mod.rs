@@ -24,9 +24,11 @@
 pub mod host;
 #[cfg(test)]
 mod proptests;
+mod rows;
 mod state;
 
 pub use host::{HostTier, SlotState};
+pub use rows::copy_block_rows;
 pub use state::{Swap, TierOps, TierStats, Tiers};
 
 use sha2::{Digest, Sha256};
