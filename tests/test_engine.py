@@ -7,6 +7,7 @@ cache, n > 1, all blocks back after each run, seeds, logprobs, penalties, abort 
 import numpy as np
 import pytest
 import torch
+from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError, KvCoreError, TooLongError
 from kvcore.llm import LLM
 from kvcore.models import tiny_llama
@@ -35,18 +36,7 @@ def _prompts(lengths, seed=0, prefix=()):
 
 
 def _hf_greedy(model, prompt, max_tokens, **kwargs):
-    model.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            eos_token_id=None,
-            pad_token_id=0,
-            **kwargs,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy(model, prompt, max_tokens, pad_token_id=0, **kwargs)
 
 
 def _check(llm):

@@ -6,7 +6,7 @@ window. Skipped when the five PyPI packages are not installed."""
 import importlib.util
 
 import pytest
-import torch
+from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError
 from kvcore import gemma3_gguf as g3
 from kvcore import models as kvmodels
@@ -39,16 +39,7 @@ def _long_prompt(tok, n_tokens):
 
 
 def _hf(model, prompt, max_tokens):
-    model.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            eos_token_id=None,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy(model, prompt, max_tokens)
 
 
 @needs_gemma

@@ -6,6 +6,7 @@ features fail at load, by name."""
 import numpy as np
 import pytest
 import torch
+from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError
 from kvcore.llm import LLM
 from kvcore.mla import MLAAttention, mha_equivalent_bytes_per_token, tiny_deepseek
@@ -43,17 +44,7 @@ def _prompts(lengths, seed=0, prefix=()):
 
 
 def _hf_greedy(model, prompt, max_tokens):
-    model.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy(model, prompt, max_tokens, pad_token_id=0)
 
 
 def _greedy(n_tokens, **kw):

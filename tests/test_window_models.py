@@ -10,6 +10,7 @@ import inspect
 import kvcore_kernels
 import pytest
 import torch
+from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError
 from kvcore.llm import LLM
 from kvcore.models import MODEL_NAMES, check_supported, load_model
@@ -57,17 +58,7 @@ def _small(name, seed=5, **extra):
 
 def _reference(model, prompt, max_tokens):
     """transformers' greedy generate with its own masks (eager: Gemma 2's soft-capping)."""
-    model.set_attn_implementation("eager")
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy(model, prompt, max_tokens, attn="eager", pad_token_id=0)
 
 
 @pytest.fixture
