@@ -33,6 +33,7 @@ from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.quant import bytes_per_token, check_format, get_format, resolve_formats
 
 from kvcore.errors import InvalidArgumentError
+from kvcore.windows import layer_windows
 
 DEFAULT_FORMATS = ("auto", "float16", "fp8_e4m3", "int8", "int4", "kivi4", "kivi2", "int2")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -97,22 +98,21 @@ def _first(cfg: dict, *names: str) -> Any:
 
 
 def _windows(cfg: dict, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer windows as the engine sees them (``windows.layer_windows`` on the config that
+    transformers builds from ``cfg``); an architecture transformers does not know gets the
+    declared ``sliding_window`` on every layer, or none."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        hf = AutoConfig.for_model(str(cfg.get("model_type")), **fields)
+    except (ValueError, TypeError, KeyError):
+        hf = None
+    if hf is not None and getattr(hf, "num_hidden_layers", None) == num_layers:
+        return layer_windows(hf)
     window = cfg.get("sliding_window")
-    types = cfg.get("layer_types")
-    if isinstance(types, list) and len(types) == num_layers:
-        sliding = [t == "sliding_attention" for t in types]
-    elif not window or cfg.get("use_sliding_window") is False:
-        sliding = [False] * num_layers
-    elif cfg.get("sliding_window_pattern"):  # Gemma 3: every pattern-th layer is global
-        p = int(cfg["sliding_window_pattern"])
-        sliding = [(i + 1) % p != 0 for i in range(num_layers)]
-    elif cfg.get("model_type") == "gemma2":  # alternating, sliding first
-        sliding = [i % 2 == 0 for i in range(num_layers)]
-    elif cfg.get("max_window_layers") is not None:  # Qwen2: layers from max_window_layers on
-        sliding = [i >= int(cfg["max_window_layers"]) for i in range(num_layers)]
-    else:
-        sliding = [True] * num_layers
-    return tuple(int(window) if s and window else None for s in sliding)
+    uniform = int(window) if window and cfg.get("use_sliding_window") is not False else None
+    return (uniform,) * num_layers
 
 
 def load_config(config: Any) -> dict:
