@@ -76,9 +76,10 @@ def serve_main(argv: list[str]) -> int:
         return _serve_replicas(argv, args)
     llm = _make_llm(args)
     state = make_state(llm, args)
+    dtype = str(llm.engine.model.dtype).removeprefix("torch.")
     print(
         f"kvcore serve: {state.model_name} on http://{args.host}:{args.port} "
-        f"(dtype {llm.engine.model.dtype}, max_model_len {state.max_model_len}, "
+        f"(dtype {dtype}, max_model_len {state.max_model_len}, "
         f"{state.engine.snapshot['num_blocks']} KV blocks)",
         flush=True,
     )
