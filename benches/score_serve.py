@@ -1,14 +1,18 @@
 """Score saved `kvcore bench serve` runs (--save-json) of kvcore against a peer, per seed.
 
-For each seed with both files (``DIR/kvcore-seedS.json`` and ``DIR/PEER-seedS.json``) it
-re-evaluates goodput at the given SLO from the per-request records and prints one line: the peak
-goodput ratio (kvcore's best rate against the peer's best rate), the peer's knee (the highest
-rate at which >= 90 % of the requests met the SLO), the p95 TTFT ratio at that rate, and
-kvcore's server overhead there; then whether the serving targets of issue 11 (goodput >= 2x,
-TTFT >= 3x lower, overhead < 5 %) hold for every seed. Usage:
+For each seed with both files (``DIR/KVCORE-seedS.json`` and ``DIR/PEER-seedS.json``; labels
+``--kvcore`` and ``--peer``, e.g. ``kvcore-bf16`` against ``transformers-serve-bf16``, the runs of
+``serve_vs_transformers.sh``) it re-evaluates goodput at the given SLO from the per-request
+records and prints one line: the peak goodput ratio (kvcore's best rate against the peer's best
+rate), the peer's knee (the highest rate at which >= 90 % of the requests met the SLO), the p95
+TTFT ratio at that rate, and kvcore's server overhead there; then whether the serving targets of
+issue 11 (goodput >= 2x, TTFT >= 3x lower, overhead < 5 %) hold for every seed. When the peer
+meets the SLO at none of the rates it has no knee ("peer knee nan"): the TTFT ratio is then
+taken at the lowest rate; when it meets it at every rate the knee is the highest rate run
+(RATES="0.5 2": 2 req/s). Usage:
 
-    python benches/score_serve.py DIR [--prefix quiet-] [--peer transformers-serve] \
-        [--slo-ttft-ms 1000 --slo-itl-ms 300]
+    python benches/score_serve.py DIR [--prefix quiet-] [--kvcore kvcore] \
+        [--peer transformers-serve] [--slo-ttft-ms 1000 --slo-itl-ms 300]
 """
 
 from __future__ import annotations
@@ -56,23 +60,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dir")
     p.add_argument("--prefix", default="", help="file name prefix, e.g. quiet-")
-    p.add_argument("--peer", default="transformers-serve")
+    p.add_argument("--kvcore", default="kvcore", help="kvcore's label, e.g. kvcore-bf16")
+    p.add_argument("--peer", default="transformers-serve", help="e.g. transformers-serve-bf16")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-itl-ms", type=float, default=300.0)
     args = p.parse_args(argv)
     slo = (args.slo_ttft_ms, args.slo_itl_ms)
     seeds = []
-    for path in sorted(glob.glob(os.path.join(args.dir, f"{args.prefix}kvcore-seed*.json"))):
-        m = re.search(r"kvcore-seed(\d+)\.json$", path)
+    mine = f"{args.prefix}{args.kvcore}-seed"
+    for path in sorted(glob.glob(os.path.join(args.dir, f"{glob.escape(mine)}*.json"))):
+        m = re.fullmatch(re.escape(mine) + r"(\d+)\.json", os.path.basename(path))
         other = (
             os.path.join(args.dir, f"{args.prefix}{args.peer}-seed{m.group(1)}.json") if m else ""
         )
         if m and os.path.exists(other):
             seeds.append((int(m.group(1)), path, other))
     if not seeds:
-        print(f"no {args.prefix}kvcore-seedS.json with a {args.peer} partner in {args.dir}")
+        print(f"no {mine}S.json with a {args.peer} partner in {args.dir}")
         return 2
-    print(f"# SLO: TTFT <= {slo[0]:g} ms, TPOT <= {slo[1]:g} ms")
+    print(f"# {args.kvcore} vs {args.peer}; SLO: TTFT <= {slo[0]:g} ms, TPOT <= {slo[1]:g} ms")
     met = []
     for seed, kv_path, peer_path in seeds:
         s = score(_load(kv_path, *slo), _load(peer_path, *slo))

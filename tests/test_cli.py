@@ -100,6 +100,8 @@ BAD_ARGS = [
     ["eval-kv", "--needle-lengths", "abc"],
     ["eval-kv", "--formats", "kivi2", "--ppl-len", "128", "--chunk", "256"],
     ["bogus"],
+    ["run", "--dtype", "fp8"],
+    ["eval-kv", "--retention", "window:64", "--dtype", "bfloat16"],  # not silently ignored
 ]
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvcore import cli_args as ca
 from kvcore import retention_cli
+from kvcore.cpu_dtype import DTYPE_NAMES
 from kvcore.errors import KvCoreError
 
 DEFAULT_EVAL_FORMATS = "fp8_e4m3,fp8_e5m2,int8,int4,kivi4,kivi2,int2"
@@ -73,6 +74,8 @@ def _eval_parser() -> argparse.ArgumentParser:
       help="comma-separated ('auto' is the reference)")  # fmt: skip
     a("--seed", type=ca.non_negative_int, default=0)
     a("--model", default="smollm2-135m")
+    a("--dtype", default="auto", choices=DTYPE_NAMES,
+      help="model dtype ('auto' is the 'auto' format's KV dtype too; docs/serving.md)")  # fmt: skip
     a("--threads", type=pos, default=None, help="torch threads (1 is fastest on busy CPUs)")
     a("--backend", default="auto", choices=["auto", "torch", "triton"])
     a("--block-size", type=pos, default=16)
@@ -103,6 +106,7 @@ def eval_kv_main(argv: list[str] | None = None) -> int:
     """``kvcore eval-kv --formats LIST --seed S``: the quality table of quantized caches."""
     args = _eval_parser().parse_args(argv)
     if args.retention is not None:
+        ca.check(args.dtype == "auto", "kvcore eval-kv", "--retention runs the checkpoint dtype")
         with ca.report_errors("kvcore eval-kv") as status:
             retention_cli.run(args)
         return status[0]
@@ -136,7 +140,8 @@ def _eval(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, dtype=args.dtype)
+    print(f"model_dtype: {str(model.dtype).removeprefix('torch.')}")
     if tok is None:
         raise KvCoreError("eval-kv needs a model with a tokenizer (real text)")
     names = [f for f in args.formats if f != "auto"]

@@ -10,8 +10,9 @@ import os
 def serve_parser() -> argparse.ArgumentParser:
     """Flags of ``kvcore serve``: every engine flag of ``kvcore run`` plus the server's."""
     from kvcore.cli import _engine_args
+    from kvcore.cli_args import Parser
 
-    p = argparse.ArgumentParser(
+    p = Parser(  # one-line errors, exit 2 (kvcore.cli_args)
         prog="kvcore serve", description="OpenAI-compatible HTTP server over the kvcore engine."
     )
     _engine_args(p)
@@ -75,9 +76,11 @@ def serve_main(argv: list[str]) -> int:
         return _serve_replicas(argv, args)
     llm = _make_llm(args)
     state = make_state(llm, args)
+    dtype = str(llm.engine.model.dtype).removeprefix("torch.")
     print(
         f"kvcore serve: {state.model_name} on http://{args.host}:{args.port} "
-        f"(max_model_len {state.max_model_len}, {state.engine.snapshot['num_blocks']} KV blocks)",
+        f"(dtype {dtype}, max_model_len {state.max_model_len}, "
+        f"{state.engine.snapshot['num_blocks']} KV blocks)",
         flush=True,
     )
     return run_server(state, args.host, args.port, args.shutdown_grace_s, args.log_level)

@@ -154,6 +154,10 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def make_state(llm: Any, args: Any) -> ServerState:
     """The server's state over a loaded ``kvcore.LLM`` and the parsed ``kvcore serve`` flags."""
     engine = llm.engine
@@ -162,7 +166,9 @@ def make_state(llm: Any, args: Any) -> ServerState:
     info = {
         "block_size": cc.block_size,
         "num_gpu_blocks": engine.runner.num_blocks - 1,
-        "cache_dtype": str(cc.kv_format),
+        "cache_dtype": str(cc.kv_format),  # as asked (vLLM's label: "auto" = the model's)
+        "kv_dtype": _dtype_name(engine.runner.kv_dtype) if not cc.quantized else "quantized",
+        "model_dtype": _dtype_name(engine.model.dtype),
         "enable_prefix_caching": str(cc.prefix_caching != "off"),
         "prefix_caching": cc.prefix_caching,
     }
