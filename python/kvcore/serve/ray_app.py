@@ -35,7 +35,14 @@ ROUTERS = {  # --router: (request router class, its kwargs)
     "p2c": ("kvcore.serve.ray_router:KvcoreRequestRouter", {"policy": "p2c"}),
     "random": ("kvcore.serve.ray_router:KvcoreRequestRouter", {"policy": "random"}),
     "ray-p2c": (None, {}),  # Ray Serve's default PowerOfTwoChoicesRequestRouter
-}  # Ray's PrefixCacheAffinityRouter (ray.serve.llm) needs vLLM or SGLang installed: not here
+    # Ray Serve LLM's PrefixCacheAffinityRouter, with Ray's defaults. Its public alias
+    # (ray.serve.llm.request_router) imports vLLM via a sibling router: use the defining module.
+    "ray-prefix": (
+        "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
+        ":PrefixCacheAffinityRouter",
+        {},
+    ),
+}
 
 
 @ray.remote(num_cpus=0)
