@@ -36,7 +36,8 @@ ROUTERS = {  # --router: (request router class, its kwargs)
     "random": ("kvcore.serve.ray_router:KvcoreRequestRouter", {"policy": "random"}),
     "ray-p2c": (None, {}),  # Ray Serve's default PowerOfTwoChoicesRequestRouter
     # Ray Serve LLM's PrefixCacheAffinityRouter, with Ray's defaults. Its public alias
-    # (ray.serve.llm.request_router) imports vLLM via a sibling router: use the defining module.
+    # (ray.serve.llm.request_router) imports ray.serve.llm, which needs pyarrow: the defining
+    # module needs only Ray Serve.
     "ray-prefix": (
         "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
         ":PrefixCacheAffinityRouter",
