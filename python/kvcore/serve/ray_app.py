@@ -53,6 +53,9 @@ class MetricsHub:
     def __init__(self) -> None:
         self.latest: dict[str, tuple[float, str, dict]] = {}
 
+    def ready(self) -> bool:
+        return True
+
     def put(self, replica: str, text: str, health: dict) -> None:
         self.latest[replica] = (time.time(), text, health)
 
@@ -199,7 +202,8 @@ def build_app(
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=cls, request_router_kwargs={**kwargs, **(router_kwargs or {})}
         )
-    MetricsHub.options(name=hub_name, get_if_exists=True, lifetime="detached").remote()
+    hub = MetricsHub.options(name=hub_name, get_if_exists=True, lifetime="detached").remote()
+    ray.get(hub.ready.remote())  # replicas look it up by name: it must exist before they start
     engine = EngineReplica.options(**options).bind(list(argv), hub_name)
     prefill = None
     if prefill_replicas:
