@@ -7,10 +7,10 @@ stream (``--systems`` system prompts of ``--system-len`` tokens, a fresh user tu
 arrivals at ``--rate``/s, streamed, ``return_token_ids``):
 
 - ``prefix``: kvcore's prefix router (KvcoreRequestRouter) over N replicas;
-- ``p2c``: Ray Serve's default power-of-two-choices router over the same N replicas;
+- ``ray_prefix``: Ray Serve LLM's ``PrefixCacheAffinityRouter`` over the same N replicas, with
+  Ray's defaults (``--ray-imbalanced-threshold`` sets its balance threshold);
+- ``p2c``: Ray Serve's default ``PowerOfTwoChoicesRequestRouter`` over the same N replicas;
 - ``single``: one replica with N times the KV blocks (one cache as large as all of theirs).
-
-(Ray's ``PrefixCacheAffinityRouter`` needs vLLM or SGLang installed, so it is not compared.)
 
 Hit rate: cached prompt tokens (``usage.prompt_tokens_details``) over prompt tokens. TTFT: the
 client's time to the first chunk carrying a token. Imbalance: the busiest replica's finished
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -108,6 +109,8 @@ def run_layout(name, replicas, router, blocks, stream, args, port, prefill=0, ex
     argv += ["--max-model-len", str(args.system_len + args.user_len[1] + args.max_tokens + 16)]
     argv += ["--seed", str(args.seed), *extra]
     kwargs = {"threshold": args.threshold} if router == "prefix" else None
+    if router == "ray-prefix" and args.ray_imbalanced_threshold is not None:
+        kwargs = {"imbalanced_threshold": args.ray_imbalanced_threshold}
     app = build_app(
         argv,
         replicas=replicas,
@@ -148,18 +151,26 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=224, help="KV blocks per replica")
     ap.add_argument("--threshold", type=int, default=2)
     ap.add_argument(
+        "--ray-imbalanced-threshold",
+        type=float,
+        default=None,
+        help="ray_prefix: PrefixCacheAffinityRouter's imbalanced_threshold (default Ray's: inf)",
+    )
+    ap.add_argument(
         "--disagg",
         action="store_true",
         help="instead: aggregated (N replicas) vs disaggregated (1 prefill + N-1 decode), "
         "both on a shared Redis tier",
     )
     args = ap.parse_args()
+    t_start = time.perf_counter()
 
     import ray
     from ray import serve
     from serve_util import free_port
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     ray.init(
         num_cpus=4,
         include_dashboard=False,
@@ -175,7 +186,8 @@ def main() -> None:
     n, blocks = args.replicas, args.num_blocks
     if args.disagg:
         return disagg(args, stream, port)
-    layouts = [("prefix", n, "prefix", blocks), ("p2c", n, "ray-p2c", blocks)]
+    layouts = [("prefix", n, "prefix", blocks), ("ray_prefix", n, "ray-prefix", blocks)]
+    layouts.append(("p2c", n, "ray-p2c", blocks))
     layouts.append(("single", 1, "ray-p2c", blocks * n))
     print(
         f"# {args.requests} requests at {args.rate}/s, {args.systems} system prompts of "
@@ -189,10 +201,16 @@ def main() -> None:
         print(f"ttft_p50_ms_{name}: {r['ttft_p50_ms']:.1f} ms", flush=True)
         print(f"ttft_p95_ms_{name}: {r['ttft_p95_ms']:.1f} ms", flush=True)
         print(f"imbalance_{name}: {r['imbalance']:.3f} ratio", flush=True)
-    p, q, s = res["prefix"], res["p2c"], res["single"]
-    print(f"hit_rate_prefix_over_single: {p['hit_rate'] / s['hit_rate']:.3f} x")
-    print(f"hit_rate_prefix_over_p2c: {p['hit_rate'] / q['hit_rate']:.3f} x")
-    print(f"ttft_p50_p2c_over_prefix: {q['ttft_p50_ms'] / p['ttft_p50_ms']:.3f} x")
+    q, s = res["p2c"], res["single"]
+    for name in ("prefix", "ray_prefix"):
+        p = res[name]
+        print(f"hit_rate_{name}_over_single: {p['hit_rate'] / s['hit_rate']:.3f} x")
+        print(f"hit_rate_{name}_over_p2c: {p['hit_rate'] / q['hit_rate']:.3f} x")
+        print(f"ttft_p50_p2c_over_{name}: {q['ttft_p50_ms'] / p['ttft_p50_ms']:.3f} x")
+    p, r = res["prefix"], res["ray_prefix"]
+    print(f"hit_rate_prefix_over_ray_prefix: {p['hit_rate'] / r['hit_rate']:.3f} x")
+    print(f"ttft_p50_ray_prefix_over_prefix: {r['ttft_p50_ms'] / p['ttft_p50_ms']:.3f} x")
+    print(f"bench_wall_s: {time.perf_counter() - t_start:.0f} s")
     serve.shutdown()
     ray.shutdown()
 

@@ -93,6 +93,27 @@ def test_bad_input_is_a_typed_error():
     assert make_router("prefix", threshold=3).threshold == 3
 
 
+def test_ray_prefix_model_follows_rays_rule():
+    """The simulator's model of Ray's PrefixCacheAffinityRouter, over Ray's own tree."""
+    pytest.importorskip("ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree")
+    router = make_router("ray-prefix")
+    loads = {"a": 0, "b": 0, "c": 0}
+    assert router.choose(prompt(0, 0), loads) == "a"  # empty tree: smallest tenants, first
+    router.routed("a", prompt(0, 0))
+    assert router.choose(prompt(0, 1), loads) == "a"  # 64 of 80 tokens match
+    # The match never yields to load (imbalanced_threshold is infinite by default).
+    assert router.choose(prompt(0, 2), {"a": 50, "b": 0, "c": 0}) == "a"
+    assert router.choose(prompt(1, 0), loads) == "b"  # no match: fewest characters in tree
+    router.routed("b", prompt(1, 0))
+    router.remove_replica("a")
+    assert router.choose(prompt(0, 3), {"b": 0, "c": 0}) == "c"
+    # With a threshold, a spread past it falls back to power of two choices.
+    balanced = make_router("ray-prefix", imbalanced_threshold=2)
+    balanced.routed("a", prompt(0, 0))
+    picks = {balanced.choose(prompt(0, 1), {"a": 9, "b": 0, "c": 0}) for _ in range(20)}
+    assert "a" not in picks  # p2c never takes the longer queue of its pair
+
+
 def test_cluster_sim_prefix_beats_p2c(capsys):
     from kvcore import sim
 

@@ -83,6 +83,35 @@ def test_greedy_through_replicas_equals_generate(app_url):
     assert complete(app_url, [1, 2], 3, model="nope").status_code == 404
 
 
+def test_rays_prefix_router_sees_the_prompt_and_outputs_equal_generate(app_url):
+    """``--router ray-prefix``: Ray's PrefixCacheAffinityRouter reads ``RoutedRequest.prompt``."""
+    from kvcore import LLM
+    from kvcore.outputs import SamplingParams
+
+    app = build_app(ENGINE, replicas=2, router="ray-prefix", hub_name="hub-r")
+    serve.run(app, name="r", route_prefix="/r")
+    try:
+        url = app_url + "/r"
+        prompts = [SHARED + [i, 5] for i in range(4)] + [list(range(300, 340))]
+        got, where = [], []
+        for p in prompts:
+            r = complete(url, p, 4)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["token_ids"])
+            where.append(r.headers["x-kvcore-replica"])
+        # Sequential requests, equal queues: the shared prefix keeps one replica (p2c would
+        # pick at random), and a later one hits that replica's cache.
+        assert len(set(where[:4])) == 1
+        r = complete(url, SHARED + [9], 2)
+        assert r.headers["x-kvcore-replica"] == where[0]
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+        llm = LLM("tiny-llama", num_blocks=96, max_model_len=512)
+        want = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
+        assert got == [list(o.outputs[0].token_ids) for o in want]
+    finally:
+        serve.delete("r")
+
+
 def test_prefix_routing_and_merged_metrics(app_url):
     from prometheus_client.parser import text_string_to_metric_families
 

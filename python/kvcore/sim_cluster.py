@@ -1,9 +1,11 @@
 """Cluster simulator: many engine replicas behind a router, on a shared-prefix chat stream.
 
-    python -m kvcore.sim --replicas 64 --router prefix|p2c|random --seed 0
+    python -m kvcore.sim --replicas 64 --router prefix|p2c|random|ray-prefix --seed 0
 
-The routers are the real ones (``kvcore.serve.router``); each replica is a cost model of the
-engine with a real prefix cache (kvcore's Rust ``KvCacheManager``, radix mode, LRU eviction):
+The routers are the real ones (``kvcore.serve.router``; ``ray-prefix`` is Ray's
+PrefixCacheAffinityRouter's rule over Ray's own tree, ``kvcore.serve.ray_model``); each replica
+is a cost model of the engine with a real prefix cache (kvcore's Rust ``KvCacheManager``, radix
+mode, LRU eviction):
 
 - continuous batching, FCFS: a step admits waiting requests while they fit (``--max-num-seqs``,
   ``--max-batched-tokens`` uncached prompt tokens, and KV blocks for prompt + output), prefills
@@ -121,15 +123,13 @@ class Replica:
 
 def simulate(args: argparse.Namespace, router_name: str, reqs: list[Req]) -> dict[str, float]:
     """Serve the stream with the named router; the figures of the run."""
-    router = make_router(
-        router_name,
-        seed=args.seed,
-        **(
-            dict(threshold=args.threshold, tree_blocks=args.kv_blocks, block_size=args.block_size)
-            if router_name == "prefix"
-            else {}
-        ),
-    )
+    kwargs: dict = {}
+    if router_name == "prefix":
+        kwargs = dict(threshold=args.threshold, tree_blocks=args.kv_blocks)
+        kwargs["block_size"] = args.block_size
+    elif router_name == "ray-prefix" and args.ray_imbalanced_threshold is not None:
+        kwargs = {"imbalanced_threshold": args.ray_imbalanced_threshold}
+    router = make_router(router_name, seed=args.seed, **kwargs)
     replicas = [Replica(i, args) for i in range(args.replicas)]
     events: list[tuple[float, int, int]] = [(r.arrival, 0, r.id) for r in reqs]  # 0 arrival
     heapq.heapify(events)
@@ -182,7 +182,13 @@ def parser() -> argparse.ArgumentParser:
         description="Engine replicas behind a router (prefix-aware, p2c, random): cost model.",
     )
     ap.add_argument("--replicas", type=int, required=True)
-    ap.add_argument("--router", default="prefix", choices=("prefix", "p2c", "random"))
+    ap.add_argument(
+        "--router",
+        default="prefix",
+        choices=("prefix", "p2c", "random", "ray-prefix"),
+        help="ray-prefix: Ray's PrefixCacheAffinityRouter policy over Ray's own tree "
+        "(serve/ray_model.py)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests-per-replica", type=int, default=200)
     ap.add_argument("--rate", type=float, default=4.0, help="arrivals per second per replica")
@@ -199,6 +205,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-ms", type=float, default=0.05, help="per uncached prompt token")
     ap.add_argument("--decode-ms", type=float, default=0.2, help="per running request per step")
     ap.add_argument("--threshold", type=int, default=2, help="prefix router: queue slack")
+    ap.add_argument(
+        "--ray-imbalanced-threshold",
+        type=float,
+        default=None,
+        help="ray-prefix: its imbalanced_threshold (default Ray's: inf)",
+    )
     return ap
 
 

@@ -43,8 +43,9 @@ def serve_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--router",
         default="prefix",
-        choices=("prefix", "p2c", "random", "ray-p2c"),
-        help="request router over the replicas (ray-p2c: Ray Serve's default)",
+        choices=("prefix", "p2c", "random", "ray-p2c", "ray-prefix"),
+        help="request router over the replicas (ray-p2c: Ray Serve's default; "
+        "ray-prefix: Ray Serve LLM's PrefixCacheAffinityRouter)",
     )
     g.add_argument("--router-threshold", type=int, default=2, help="prefix router queue slack")
     g.add_argument(

@@ -35,7 +35,15 @@ ROUTERS = {  # --router: (request router class, its kwargs)
     "p2c": ("kvcore.serve.ray_router:KvcoreRequestRouter", {"policy": "p2c"}),
     "random": ("kvcore.serve.ray_router:KvcoreRequestRouter", {"policy": "random"}),
     "ray-p2c": (None, {}),  # Ray Serve's default PowerOfTwoChoicesRequestRouter
-}  # Ray's PrefixCacheAffinityRouter (ray.serve.llm) needs vLLM or SGLang installed: not here
+    # Ray Serve LLM's PrefixCacheAffinityRouter, with Ray's defaults. Its public alias
+    # (ray.serve.llm.request_router) imports ray.serve.llm, which needs pyarrow: the defining
+    # module needs only Ray Serve.
+    "ray-prefix": (
+        "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
+        ":PrefixCacheAffinityRouter",
+        {},
+    ),
+}
 
 
 @ray.remote(num_cpus=0)
@@ -44,6 +52,9 @@ class MetricsHub:
 
     def __init__(self) -> None:
         self.latest: dict[str, tuple[float, str, dict]] = {}
+
+    def ready(self) -> bool:
+        return True
 
     def put(self, replica: str, text: str, health: dict) -> None:
         self.latest[replica] = (time.time(), text, health)
@@ -191,7 +202,8 @@ def build_app(
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=cls, request_router_kwargs={**kwargs, **(router_kwargs or {})}
         )
-    MetricsHub.options(name=hub_name, get_if_exists=True, lifetime="detached").remote()
+    hub = MetricsHub.options(name=hub_name, get_if_exists=True, lifetime="detached").remote()
+    ray.get(hub.ready.remote())  # replicas look it up by name: it must exist before they start
     engine = EngineReplica.options(**options).bind(list(argv), hub_name)
     prefill = None
     if prefill_replicas:

@@ -36,8 +36,10 @@ class RoutedRequest:
 
     @property
     def prompt(self) -> str:
-        """The ids as text, for Ray's PrefixCacheAffinityRouter (it matches characters)."""
-        return " ".join(map(str, self.token_ids))
+        """The ids as text for Ray's PrefixCacheAffinityRouter (``--router ray-prefix``), which
+        reads a ``prompt`` attribute and matches characters: one character per token id, so
+        its match rate and its tree's size count tokens."""
+        return "".join(map(chr, self.token_ids))
 
 
 def _replica_failed(e: BaseException) -> JSONResponse:

@@ -169,12 +169,19 @@ class PrefixRouter:
 
 
 ROUTERS = {"prefix": PrefixRouter, "p2c": PowerOfTwoRouter, "random": RandomRouter}
+MODELS = ("ray-prefix",)  # Ray's router's policy, in-process (serve/ray_model.py; needs Ray)
 
 
 def make_router(name: str, seed: int = 0, **kwargs):
-    """A router by name: ``prefix`` (kwargs go to PrefixRouter), ``p2c`` or ``random``."""
+    """A router by name: ``prefix`` (kwargs go to PrefixRouter), ``p2c``, ``random``, or
+    ``ray-prefix`` (the model of Ray's PrefixCacheAffinityRouter; kwargs go to it)."""
+    if name == "ray-prefix":
+        from kvcore.serve.ray_model import RayPrefixModel
+
+        return RayPrefixModel(seed=seed, **kwargs)
     if name not in ROUTERS:
-        raise InvalidArgumentError(f"unknown router {name!r}: one of {sorted(ROUTERS)}")
+        names = sorted([*ROUTERS, *MODELS])
+        raise InvalidArgumentError(f"unknown router {name!r}: one of {names}")
     if name == "prefix":
         return PrefixRouter(seed=seed, **kwargs)
     return ROUTERS[name](seed=seed)
