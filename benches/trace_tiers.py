@@ -1,0 +1,275 @@
+"""Where each request's time to first token goes in ``bench_tiers.py``'s workload
+(docs/tiers.md, "Why TTFT improves less than the computed prompt tokens").
+
+    python benches/trace_tiers.py [bench_tiers flags] [--trace-configs pool_only,tiered]
+        [--json out.json]
+
+Runs the listed configurations back to back in one process (so they meet a similar load) and
+records every engine step (wall time, forward time, tier-move time, prefill tokens, decode
+rows, attention work = sum of query x context, L2 loads, preemptions) and every request (arrival,
+steps it ran in, first token). Each request's TTFT is split into:
+
+- ``queue``: arrival to the start of its first step (the steps of the requests ahead of it),
+- ``own``: the steps its prompt was computed in (its chunks, shared with others' rows),
+- ``gap``: steps between its first and its first-token step that left it out (preempted),
+- ``recompute``: prompt tokens it computed twice (preemption by recompute).
+
+Queue time is further split by what the steps it waited through computed: prefill tokens and
+decode rows, with a least-squares step cost model per configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_tiers as b  # noqa: E402
+
+
+class Tracer:
+    """Wraps one LLM's step, forward and tier hook; keeps per-step and per-request records."""
+
+    def __init__(self, llm) -> None:
+        self.steps: list[dict] = []
+        self.reqs: dict[str, dict] = {}
+        eng = self.engine = llm.engine
+        runner, step = eng.runner, eng._step
+        execute, hook = runner.execute, runner.tier_hook
+        self.cur: dict | None = None
+
+        def traced_step():
+            self.cur = {"t0": time.perf_counter(), "fwd0": runner.forward_seconds}
+            out = step()
+            cur = self.cur
+            cur["t1"] = time.perf_counter()
+            cur["fwd"] = runner.forward_seconds - cur.pop("fwd0")
+            cur["preempt"] = int(eng.scheduler.stats().num_preemptions)
+            self.steps.append(cur)
+            return out
+
+        def traced_execute(plan, logits_indices, block_mass=None):
+            cur = self.cur
+            qs = np.asarray(plan.query_start_loc)
+            qlen = np.diff(qs)
+            seq = np.asarray(plan.seq_lens)
+            pos = np.asarray(plan.positions)
+            pre = qlen > 1
+            cur.update(
+                tokens=int(qs[-1]),
+                prefill_tokens=int(qlen[pre].sum()),
+                decode_rows=int((~pre).sum()),
+                attn=float((qlen * seq).sum()),
+                loads=int(len(plan.tier_load)),
+                offloads=int(len(plan.tier_offload)),
+                tier_s=0.0,
+            )
+            k = len(self.steps)
+            for r, rid in enumerate(plan.req_ids.tolist()):
+                req = eng._requests.get(rid)
+                if req is None:
+                    continue
+                rec = self.reqs.setdefault(
+                    req.request_id, {"metrics": req.metrics, "rows": [], "prompt": None}
+                )
+                rec["prompt"] = len(req.prompt_token_ids)
+                rec["rows"].append((k, int(pos[qs[r]]), int(qlen[r])))
+            return execute(plan, logits_indices, block_mass=block_mass)
+
+        def traced_hook(plan):
+            t = time.perf_counter()
+            hook(plan)
+            self.cur["tier_s"] = time.perf_counter() - t
+
+        eng._step = traced_step
+        runner.execute = traced_execute
+        if hook is not None:
+            runner.tier_hook = traced_hook
+
+    def requests(self) -> list[dict]:
+        """Per request: ttft and its split (seconds), prompt and recomputed tokens."""
+        t0 = np.array([s["t0"] for s in self.steps])
+        t1 = np.array([s["t1"] for s in self.steps])
+        out = []
+        for rid, rec in self.reqs.items():
+            m = rec["metrics"]
+            if m.first_token_time is None:
+                continue
+            prompt = rec["prompt"]
+            rows = [r for r in rec["rows"]]
+            pre_rows = []
+            for k, p, n in rows:  # rows up to (and including) the one that completes the prompt
+                pre_rows.append((k, p, n))
+                if p + n >= prompt:
+                    break
+            first, last = pre_rows[0][0], pre_rows[-1][0]
+            own_steps = {k for k, _, _ in pre_rows}
+            own = float(sum(t1[k] - t0[k] for k in own_steps))
+            done, recompute = 0, 0
+            for _, p, n in pre_rows:
+                recompute += max(0, min(done, p + n) - p)
+                done = max(done, p + n)
+            queue_steps = [k for k in range(first) if m.arrival_time <= t0[k]]
+            q_pre = sum(self.steps[k].get("prefill_tokens", 0) for k in queue_steps)
+            q_dec = sum(self.steps[k].get("decode_rows", 0) for k in queue_steps)
+            out.append(
+                {
+                    "id": rid,
+                    "arrival": m.arrival_time,
+                    "ttft": m.first_token_time - m.arrival_time,
+                    "queue": t0[first] - m.arrival_time,
+                    "own": own,
+                    "gap": float(t1[last] - t0[first]) - own,
+                    "prompt": prompt,
+                    "hit": pre_rows[0][1],
+                    "computed": sum(n for _, _, n in pre_rows),
+                    "recompute": recompute,
+                    "preempted": len(pre_rows) > 1 and recompute > 0,
+                    "queue_prefill_tokens": q_pre,
+                    "queue_decode_rows": q_dec,
+                    "queue_steps": len(queue_steps),
+                }
+            )
+        return out
+
+
+def step_model(steps: list[dict]) -> dict:
+    """Least-squares step cost: wall = a + b * prefill tokens + c * attention work + d * decode
+    rows (steps with a forward)."""
+    rows = [s for s in steps if "tokens" in s]
+    x = np.array([[1.0, s["prefill_tokens"], s["attn"], s["decode_rows"]] for s in rows])
+    y = np.array([s["t1"] - s["t0"] for s in rows])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    return dict(
+        zip(
+            ("per_step_s", "per_prefill_token_s", "per_attn_s", "per_decode_row_s"),
+            coef,
+            strict=True,
+        )
+    )
+
+
+def summarize(name: str, tr: Tracer, turns: int) -> dict:
+    reqs = tr.requests()
+    steps = tr.steps
+    fwd = [s for s in steps if "tokens" in s]
+    ttft = np.array([r["ttft"] for r in reqs])
+    med = np.argsort(ttft)[len(ttft) // 2]
+    model = step_model(steps)
+    tot = lambda k: sum(s.get(k, 0) for s in steps)  # noqa: E731
+    wall = sum(s["t1"] - s["t0"] for s in steps)
+    cost = {
+        "overhead": model["per_step_s"] * len(fwd),
+        "prefill": model["per_prefill_token_s"] * tot("prefill_tokens"),
+        "attention": model["per_attn_s"] * tot("attn"),
+        "decode": model["per_decode_row_s"] * tot("decode_rows"),
+    }
+    decode_only = [s for s in fwd if s["prefill_tokens"] == 0]
+    s = {
+        "config": name,
+        "requests": len(reqs),
+        "steps": len(steps),
+        "steps_with_forward": len(fwd),
+        "decode_only_steps": len(decode_only),
+        "step_wall_s": wall,
+        "forward_s": tot("fwd"),
+        "tier_s": tot("tier_s"),
+        "prefill_tokens": tot("prefill_tokens"),
+        "decode_rows": tot("decode_rows"),
+        "attn_work": tot("attn"),
+        "l2_loads": tot("loads"),
+        "preemptions": steps[-1]["preempt"] if steps else 0,
+        "requests_preempted_before_first_token": sum(r["preempted"] for r in reqs),
+        "recomputed_prompt_tokens": sum(r["recompute"] for r in reqs),
+        "mean_rows_per_step": float(np.mean([s["prefill_tokens"] > 0 for s in fwd])),
+        "mean_running_rows": float(np.mean([s["decode_rows"] for s in fwd])),
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_mean_s": float(ttft.mean()),
+        "queue_mean_s": float(np.mean([r["queue"] for r in reqs])),
+        "own_mean_s": float(np.mean([r["own"] for r in reqs])),
+        "gap_mean_s": float(np.mean([r["gap"] for r in reqs])),
+        "median_request": {k: v for k, v in reqs[med].items() if k != "arrival"},
+        "step_model": model,
+        "step_time_split_s": cost,
+    }
+    # Waves: requests that arrived together (one generate call each).
+    arr = np.array([r["arrival"] for r in reqs])
+    order = np.argsort(arr)
+    waves, cur = [], [order[0]]
+    for i in order[1:]:
+        if arr[i] - arr[cur[-1]] > 0.5:
+            waves.append(cur)
+            cur = []
+        cur.append(i)
+    waves.append(cur)
+    s["waves"] = [
+        {
+            "n": len(w),
+            "ttft_p50_s": float(np.percentile(ttft[w], 50)),
+            "ttft_max_s": float(ttft[w].max()),
+            "computed_tokens": int(sum(reqs[i]["computed"] for i in w)),
+        }
+        for w in waves
+    ]
+    return s
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    names, out = ["pool_only", "tiered"], None
+    if "--trace-configs" in argv:
+        i = argv.index("--trace-configs")
+        names = argv[i + 1].split(",")
+        del argv[i : i + 2]
+    if "--json" in argv:
+        i = argv.index("--json")
+        out = argv[i + 1]
+        del argv[i : i + 2]
+    args = b.parse(argv)
+    systems, convs = b.make_workload(args)
+    sizes = b.sizes(args, systems, convs)
+    print(f"working_set_over_pool: {sizes['working_over_pool']:.2f} x")
+    results = []
+    for name in names:
+        tracers: list[Tracer] = []
+        start = time.perf_counter()
+        kw = sizes["configs"][name]
+        b.serve(args, systems, convs, kw, hook=lambda llm, t=tracers: t.append(Tracer(llm)))
+        print(f"wall_s_{name}: {time.perf_counter() - start:.1f} s")
+        s = summarize(name, tracers[0], args.turns)
+        results.append(s)
+        keep = ("t0", "t1", "fwd", "tier_s", "prefill_tokens", "decode_rows", "attn", "loads")
+        s_steps = [{k: st.get(k) for k in keep} for st in tracers[0].steps]
+        for k, v in s.items():
+            if isinstance(v, float):
+                print(f"{name}_{k}: {v:.4g}")
+            elif isinstance(v, int):
+                print(f"{name}_{k}: {v}")
+            else:
+                print(f"{name}_{k}: {json.dumps(v, default=float)}")
+        s["step_records"] = s_steps
+        s["request_records"] = [
+            {k: v for k, v in r.items() if k != "metrics"} for r in tracers[0].requests()
+        ]
+    if len(results) == 2:
+        a, c = results
+        for k in (
+            "ttft_p50_s",
+            "ttft_mean_s",
+            "queue_mean_s",
+            "step_wall_s",
+            "prefill_tokens",
+            "steps_with_forward",
+            "decode_rows",
+        ):
+            print(f"ratio_{k}: {a[k] / max(c[k], 1e-12):.3f} x")
+    if out:
+        Path(out).write_text(json.dumps(results, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()
