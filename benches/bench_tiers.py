@@ -83,13 +83,14 @@ def serve(args, systems, convs, llm_kwargs, only_last=False, hook=None):
     return d.outputs, d.ttft_wall, d.prompt_tokens, llm
 
 
-def serve_paired(args, systems, convs, configs: dict) -> dict:
+def serve_paired(args, systems, convs, configs: dict, hook=None) -> dict:
     """Serve the same workload on one engine per config, their steps interleaved (one step
     each in turn) so that they meet the same load; TTFTs on each engine's own step clock
-    (tiers_drive.py). Returns {name: (outputs, ttfts, prompt tokens, llm, seconds of its steps)}."""
+    (tiers_drive.py); ``hook(name, llm)`` as in ``serve``. Returns {name: (outputs, ttfts,
+    prompt tokens, llm, seconds of its steps)}."""
     drivers = {}
     for name, kw in configs.items():
-        llm, params = make_llm(args, kw)
+        llm, params = make_llm(args, kw, None if hook is None else lambda x, n=name: hook(n, x))
         drivers[name] = ChatDriver(llm, params, args, systems, convs)
     run_drivers(list(drivers.values()))
     return {k: (d.outputs, d.ttft, d.prompt_tokens, d.llm, d.clock) for k, d in drivers.items()}

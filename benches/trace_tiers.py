@@ -91,47 +91,49 @@ class Tracer:
             runner.tier_hook = traced_hook
 
     def requests(self) -> list[dict]:
-        """Per request: ttft and its split (seconds), prompt and recomputed tokens."""
+        """Per request: ttft and its split (seconds of this engine's own steps, so that a paired
+        run's other engine does not count), prompt and recomputed tokens."""
         t0 = np.array([s["t0"] for s in self.steps])
         t1 = np.array([s["t1"] for s in self.steps])
+        dur = t1 - t0
+        v1 = np.cumsum(dur)  # own clock at the end of each step
+        decode_only = np.array([s.get("prefill_tokens", 0) == 0 for s in self.steps])
         out = []
         for rid, rec in self.reqs.items():
             m = rec["metrics"]
             if m.first_token_time is None:
                 continue
             prompt = rec["prompt"]
-            rows = [r for r in rec["rows"]]
             pre_rows = []
-            for k, p, n in rows:  # rows up to (and including) the one that completes the prompt
+            for k, p, n in rec["rows"]:  # rows up to (and including) the prompt's last chunk
                 pre_rows.append((k, p, n))
                 if p + n >= prompt:
                     break
             first, last = pre_rows[0][0], pre_rows[-1][0]
-            own_steps = {k for k, _, _ in pre_rows}
-            own = float(sum(t1[k] - t0[k] for k in own_steps))
+            arrived = int(np.searchsorted(t1, m.arrival_time))  # first step after arrival
+            own_steps = sorted({k for k, _, _ in pre_rows})
+            own = float(dur[own_steps].sum())
             done, recompute = 0, 0
             for _, p, n in pre_rows:
                 recompute += max(0, min(done, p + n) - p)
                 done = max(done, p + n)
-            queue_steps = [k for k in range(first) if m.arrival_time <= t0[k]]
-            q_pre = sum(self.steps[k].get("prefill_tokens", 0) for k in queue_steps)
-            q_dec = sum(self.steps[k].get("decode_rows", 0) for k in queue_steps)
+            queue = slice(arrived, first)
             out.append(
                 {
                     "id": rid,
-                    "arrival": m.arrival_time,
-                    "ttft": m.first_token_time - m.arrival_time,
-                    "queue": t0[first] - m.arrival_time,
+                    "ttft": float(v1[last] - (v1[arrived] - dur[arrived])),
+                    "ttft_wall": m.first_token_time - m.arrival_time,
+                    "queue": float(dur[queue].sum()),
+                    "queue_decode_only": float(dur[queue][decode_only[queue]].sum()),
+                    "queue_steps": first - arrived,
                     "own": own,
-                    "gap": float(t1[last] - t0[first]) - own,
+                    "own_steps": len(own_steps),
+                    "gap": float(dur[first : last + 1].sum()) - own,
                     "prompt": prompt,
                     "hit": pre_rows[0][1],
                     "computed": sum(n for _, _, n in pre_rows),
                     "recompute": recompute,
-                    "preempted": len(pre_rows) > 1 and recompute > 0,
-                    "queue_prefill_tokens": q_pre,
-                    "queue_decode_rows": q_dec,
-                    "queue_steps": len(queue_steps),
+                    "arrival_step": arrived,
                 }
             )
         return out
@@ -153,7 +155,7 @@ def step_model(steps: list[dict]) -> dict:
     )
 
 
-def summarize(name: str, tr: Tracer, turns: int) -> dict:
+def summarize(name: str, tr: Tracer, arrival: str) -> dict:
     reqs = tr.requests()
     steps = tr.steps
     fwd = [s for s in steps if "tokens" in s]
@@ -183,38 +185,38 @@ def summarize(name: str, tr: Tracer, turns: int) -> dict:
         "attn_work": tot("attn"),
         "l2_loads": tot("loads"),
         "preemptions": steps[-1]["preempt"] if steps else 0,
-        "requests_preempted_before_first_token": sum(r["preempted"] for r in reqs),
+        "requests_preempted_before_first_token": sum(r["recompute"] > 0 for r in reqs),
         "recomputed_prompt_tokens": sum(r["recompute"] for r in reqs),
         "mean_rows_per_step": float(np.mean([s["prefill_tokens"] > 0 for s in fwd])),
         "mean_running_rows": float(np.mean([s["decode_rows"] for s in fwd])),
         "ttft_p50_s": float(np.percentile(ttft, 50)),
         "ttft_mean_s": float(ttft.mean()),
         "queue_mean_s": float(np.mean([r["queue"] for r in reqs])),
+        "queue_decode_only_mean_s": float(np.mean([r["queue_decode_only"] for r in reqs])),
+        "decode_only_step_mean_s": float(np.mean([s["t1"] - s["t0"] for s in decode_only])),
+        "prefill_step_mean_s": float(
+            np.mean([s["t1"] - s["t0"] for s in fwd if s["prefill_tokens"] > 0])
+        ),
         "own_mean_s": float(np.mean([r["own"] for r in reqs])),
         "gap_mean_s": float(np.mean([r["gap"] for r in reqs])),
-        "median_request": {k: v for k, v in reqs[med].items() if k != "arrival"},
+        "median_request": reqs[med],
         "step_model": model,
         "step_time_split_s": cost,
     }
-    # Waves: requests that arrived together (one generate call each).
-    arr = np.array([r["arrival"] for r in reqs])
-    order = np.argsort(arr)
-    waves, cur = [], [order[0]]
-    for i in order[1:]:
-        if arr[i] - arr[cur[-1]] > 0.5:
-            waves.append(cur)
-            cur = []
-        cur.append(i)
-    waves.append(cur)
-    s["waves"] = [
-        {
-            "n": len(w),
-            "ttft_p50_s": float(np.percentile(ttft[w], 50)),
-            "ttft_max_s": float(ttft[w].max()),
-            "computed_tokens": int(sum(reqs[i]["computed"] for i in w)),
-        }
-        for w in waves
-    ]
+    if arrival == "waves":  # requests that arrived between the same two steps
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(reqs):
+            groups.setdefault(r["arrival_step"], []).append(i)
+        s["waves"] = [
+            {
+                "n": len(w),
+                "first_step": int(reqs[w[0]]["arrival_step"]),
+                "ttft_p50_s": float(np.percentile(ttft[w], 50)),
+                "ttft_max_s": float(ttft[w].max()),
+                "computed_tokens": int(sum(reqs[i]["computed"] for i in w)),
+            }
+            for _, w in sorted(groups.items())
+        ]
     return s
 
 
@@ -233,17 +235,23 @@ def main() -> None:
     systems, convs = b.make_workload(args)
     sizes = b.sizes(args, systems, convs)
     print(f"working_set_over_pool: {sizes['working_over_pool']:.2f} x")
+    tracers: dict[str, Tracer] = {}
+    kw = {k: sizes["configs"][k] for k in names}
+    start = time.perf_counter()
+    if args.timing == "paired":
+        b.serve_paired(
+            args, systems, convs, kw, hook=lambda n, llm: tracers.update({n: Tracer(llm)})
+        )
+    else:
+        for n in names:
+            b.serve(
+                args, systems, convs, kw[n], hook=lambda llm, n=n: tracers.update({n: Tracer(llm)})
+            )
+    print(f"timing: {args.timing}  arrival: {args.arrival}")
+    print(f"wall_s: {time.perf_counter() - start:.1f} s")
     results = []
     for name in names:
-        tracers: list[Tracer] = []
-        start = time.perf_counter()
-        kw = sizes["configs"][name]
-        b.serve(args, systems, convs, kw, hook=lambda llm, t=tracers: t.append(Tracer(llm)))
-        print(f"wall_s_{name}: {time.perf_counter() - start:.1f} s")
-        s = summarize(name, tracers[0], args.turns)
-        results.append(s)
-        keep = ("t0", "t1", "fwd", "tier_s", "prefill_tokens", "decode_rows", "attn", "loads")
-        s_steps = [{k: st.get(k) for k in keep} for st in tracers[0].steps]
+        s = summarize(name, tracers[name], args.arrival)
         for k, v in s.items():
             if isinstance(v, float):
                 print(f"{name}_{k}: {v:.4g}")
@@ -251,16 +259,17 @@ def main() -> None:
                 print(f"{name}_{k}: {v}")
             else:
                 print(f"{name}_{k}: {json.dumps(v, default=float)}")
-        s["step_records"] = s_steps
-        s["request_records"] = [
-            {k: v for k, v in r.items() if k != "metrics"} for r in tracers[0].requests()
-        ]
+        keep = ("t0", "t1", "fwd", "tier_s", "prefill_tokens", "decode_rows", "attn", "loads")
+        s["step_records"] = [{k: st.get(k) for k in keep} for st in tracers[name].steps]
+        s["request_records"] = tracers[name].requests()
+        results.append(s)
     if len(results) == 2:
         a, c = results
         for k in (
             "ttft_p50_s",
             "ttft_mean_s",
             "queue_mean_s",
+            "queue_decode_only_mean_s",
             "step_wall_s",
             "prefill_tokens",
             "steps_with_forward",
