@@ -6,8 +6,15 @@ Workload (seeded): ``--conversations`` (48) conversations of ``--turns`` (5) tur
 system prompts of 500-1,000 tokens; each turn adds 100-300 user tokens to the history and the
 model answers ``--output`` (8) greedy tokens that join the history. Turns are served in waves
 (turn t of every conversation at once, in a seeded shuffled order), so the conversations'
-histories compete for the pool. ``--scale`` multiplies every length (1.0 = the issue's sizes;
-CPU runs use a smaller scale, and say so in the ``scale`` line).
+histories compete for the pool; ``--arrival closed`` instead keeps ``--concurrency`` (48)
+conversations in flight, each submitting its next turn when its answer is done
+(benches/tiers_drive.py). ``--scale`` multiplies every length (1.0 = the issue's sizes; CPU runs
+use a smaller scale, and say so in the ``scale`` line).
+
+Timing (``--timing``): ``paired`` (default) runs the pool alone and the tiered engine in one
+process, one step each in turn, and times each request on its own engine's steps, so that both
+meet the same machine load; ``sequential`` runs one configuration after the other (wall-clock
+TTFT from ``RequestOutput.metrics``; the unbounded, L2+L3 and L4 runs always do).
 
 Sizes: the working set is the KV of every conversation's final history (shared system prompts
 once); the pool holds ``working_set / --pool-ratio`` (4.5) tokens; L2 holds the whole working set;
@@ -15,10 +22,10 @@ the L2+L3 run gets half of that in L2 and the rest on disk. The second process r
 conversation's final turn cold (empty L1 and L2) against the Redis the first L4 run filled.
 
 Lines: hit rates (prefix hit tokens / prompt tokens) per configuration, ``tiered_over_unbounded``,
-TTFT p50 of the pool alone and with L2, their ratio, ``remote_hit_fraction_second_process``
-(prompt tokens of the second process fetched from L4 / its prompt tokens), ``load_bw_fraction``
-(L2->L1 load bandwidth / a plain torch ``copy_`` of a mean load's bytes from the run's own L2
-tensors into its pool tensors, after the run), and ``outputs_equal`` (1 when every
+TTFT p50 (and mean) of the pool alone and with L2, their ratio (``ttft_speedup``),
+``remote_hit_fraction_second_process`` (prompt tokens of the second process fetched from L4 /
+its prompt tokens), ``load_bw_fraction`` (L2->L1 load bandwidth / a plain torch ``copy_`` of
+a mean load's bytes from the run's own L2 tensors into its pool tensors, after the run), and ``outputs_equal`` (1 when every
 configuration's greedy tokens are identical). ``--configs`` picks a subset (the unbounded pool,
 the pool alone and L2 always run).
 
