@@ -25,9 +25,9 @@ Lines: hit rates (prefix hit tokens / prompt tokens) per configuration, ``tiered
 TTFT p50 (and mean) of the pool alone and with L2, their ratio (``ttft_speedup``),
 ``remote_hit_fraction_second_process`` (prompt tokens of the second process fetched from L4 /
 its prompt tokens), ``load_bw_fraction`` (L2->L1 load bandwidth / a plain torch ``copy_`` of
-a mean load's bytes from the run's own L2 tensors into its pool tensors, after the run), and ``outputs_equal`` (1 when every
-configuration's greedy tokens are identical). ``--configs`` picks a subset (the unbounded pool,
-the pool alone and L2 always run).
+a mean load's bytes from the run's own L2 tensors into its pool tensors, after the run), and
+``outputs_equal`` (1 when every configuration's greedy tokens are identical). ``--configs``
+picks a subset (the unbounded pool, the pool alone and L2 always run).
 
     python benches/bench_tiers.py --seed 0 [--model tiny|smollm2] [--remote redis://...]
 """

@@ -1,21 +1,23 @@
 """Where each request's time to first token goes in ``bench_tiers.py``'s workload
-(docs/tiers.md, "Why TTFT improves less than the computed prompt tokens").
+(docs/tiers.md, "Why TTFT p50 improves less than the computed prompt tokens").
 
     python benches/trace_tiers.py [bench_tiers flags] [--trace-configs pool_only,tiered]
         [--json out.json]
 
-Runs the listed configurations back to back in one process (so they meet a similar load) and
-records every engine step (wall time, forward time, tier-move time, prefill tokens, decode
-rows, attention work = sum of query x context, L2 loads, preemptions) and every request (arrival,
-steps it ran in, first token). Each request's TTFT is split into:
+Serves the workload on the listed configurations, paired by default (one step each in turn,
+``--timing sequential``: one after the other), and records every engine step (wall time,
+forward time, tier-move time, prefill tokens, decode rows, attention work = sum of query x
+context, L2 loads, preemptions) and every request (arrival, the steps it ran in, first token).
+Times are each engine's own step seconds. Each request's TTFT is split into:
 
-- ``queue``: arrival to the start of its first step (the steps of the requests ahead of it),
+- ``queue``: the steps between its arrival and its first scheduled step (of which
+  ``queue_decode_only``: steps without any prefill),
 - ``own``: the steps its prompt was computed in (its chunks, shared with others' rows),
-- ``gap``: steps between its first and its first-token step that left it out (preempted),
+- ``gap``: steps between its first chunk and its first token that left it out (preempted),
 - ``recompute``: prompt tokens it computed twice (preemption by recompute).
 
-Queue time is further split by what the steps it waited through computed: prefill tokens and
-decode rows, with a least-squares step cost model per configuration.
+Prints ``name: value`` lines per configuration, per-wave TTFT p50 (waves arrival), and the
+pool-only / tiered ratios; ``--json`` keeps every step and request record.
 """
 
 from __future__ import annotations
