@@ -6,8 +6,15 @@ Workload (seeded): ``--conversations`` (48) conversations of ``--turns`` (5) tur
 system prompts of 500-1,000 tokens; each turn adds 100-300 user tokens to the history and the
 model answers ``--output`` (8) greedy tokens that join the history. Turns are served in waves
 (turn t of every conversation at once, in a seeded shuffled order), so the conversations'
-histories compete for the pool. ``--scale`` multiplies every length (1.0 = the issue's sizes;
-CPU runs use a smaller scale, and say so in the ``scale`` line).
+histories compete for the pool; ``--arrival closed`` instead keeps ``--concurrency`` (48)
+conversations in flight, each submitting its next turn when its answer is done
+(benches/tiers_drive.py). ``--scale`` multiplies every length (1.0 = the issue's sizes; CPU runs
+use a smaller scale, and say so in the ``scale`` line).
+
+Timing (``--timing``): ``paired`` (default) runs the pool alone and the tiered engine in one
+process, one step each in turn, and times each request on its own engine's steps, so that both
+meet the same machine load; ``sequential`` runs one configuration after the other (wall-clock
+TTFT from ``RequestOutput.metrics``; the unbounded, L2+L3 and L4 runs are always sequential).
 
 Sizes: the working set is the KV of every conversation's final history (shared system prompts
 once); the pool holds ``working_set / --pool-ratio`` (4.5) tokens; L2 holds the whole working set;
@@ -15,12 +22,12 @@ the L2+L3 run gets half of that in L2 and the rest on disk. The second process r
 conversation's final turn cold (empty L1 and L2) against the Redis the first L4 run filled.
 
 Lines: hit rates (prefix hit tokens / prompt tokens) per configuration, ``tiered_over_unbounded``,
-TTFT p50 of the pool alone and with L2, their ratio, ``remote_hit_fraction_second_process``
-(prompt tokens of the second process fetched from L4 / its prompt tokens), ``load_bw_fraction``
-(L2->L1 load bandwidth / a plain torch ``copy_`` of a mean load's bytes from the run's own L2
-tensors into its pool tensors, after the run), and ``outputs_equal`` (1 when every
-configuration's greedy tokens are identical). ``--configs`` picks a subset (the unbounded pool,
-the pool alone and L2 always run).
+TTFT p50 (and mean) of the pool alone and with L2, their ratio (``ttft_speedup``),
+``remote_hit_fraction_second_process`` (prompt tokens of the second process fetched from L4 /
+its prompt tokens), ``load_bw_fraction`` (L2->L1 load bandwidth / a plain torch ``copy_`` of
+a mean load's bytes from the run's own L2 tensors into its pool tensors, after the run), and
+``outputs_equal`` (1 when every configuration's greedy tokens are identical). ``--configs``
+picks a subset (the unbounded pool, the pool alone and L2 always run).
 
     python benches/bench_tiers.py --seed 0 [--model tiny|smollm2] [--remote redis://...]
 """
@@ -38,6 +45,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiers_drive import ChatDriver  # noqa: E402
+from tiers_drive import run as run_drivers  # noqa: E402
 
 MODELS = {"tiny": "tiny-llama", "smollm2": "smollm2-135m"}
 # unbounded, pool_only and tiered always run (the targets compare them).
@@ -61,35 +72,66 @@ def make_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[
     return systems, convs
 
 
-def serve(args, systems, convs, llm_kwargs, only_last=False):
-    """Serve every turn in waves; returns (outputs per (conv, turn), ttfts, prompt tokens, llm)."""
+def make_llm(args, llm_kwargs, hook=None):
     from kvcore import LLM, SamplingParams
 
     llm = LLM(MODELS[args.model], block_size=args.block_size, max_num_seqs=16, **llm_kwargs)
-    params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
-    rng = np.random.default_rng(args.seed + 1)
-    history = [list(systems[c % len(systems)]) for c in range(len(convs))]
-    outputs: dict[tuple[int, int], list[int]] = {}
-    ttft, prompt_tokens = [], 0
-    for t in range(args.turns):
-        order = rng.permutation(len(convs)).tolist()
-        prompts = []
-        for c in order:
-            history[c] += convs[c][t]
-            prompts.append(list(history[c]))
-        if only_last and t < args.turns - 1:
-            for c in order:  # replay of process 1's answers (identical greedy tokens)
-                history[c] += args.reference[(c, t)]
-            continue
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for c, p, o in zip(order, prompts, outs, strict=True):
-            toks = list(o.outputs[0].token_ids)
-            outputs[(c, t)] = toks
-            history[c] += toks
-            prompt_tokens += len(p)
-            if o.metrics.time_to_first_token is not None:
-                ttft.append(o.metrics.time_to_first_token)
-    return outputs, ttft, prompt_tokens, llm
+    if hook is not None:
+        hook(llm)
+    return llm, SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
+
+
+def serve(args, systems, convs, llm_kwargs, only_last=False, hook=None):
+    """Serve every turn (``--arrival``); returns (outputs per (conv, turn), wall-clock TTFTs,
+    prompt tokens, llm). ``hook(llm)`` runs once the engine exists (trace_tiers.py)."""
+    llm, params = make_llm(args, llm_kwargs, hook)
+    d = ChatDriver(llm, params, args, systems, convs, only_last=only_last)
+    run_drivers([d])
+    return d.outputs, d.ttft_wall, d.prompt_tokens, llm
+
+
+def serve_paired(args, systems, convs, configs: dict, hook=None) -> dict:
+    """Serve the same workload on one engine per config, their steps interleaved (one step
+    each in turn) so that they meet the same load; TTFTs on each engine's own step clock
+    (tiers_drive.py); ``hook(name, llm)`` as in ``serve``. Returns {name: (outputs, ttfts,
+    prompt tokens, llm, seconds of its steps)}."""
+    drivers = {}
+    for name, kw in configs.items():
+        llm, params = make_llm(args, kw, None if hook is None else lambda x, n=name: hook(n, x))
+        drivers[name] = ChatDriver(llm, params, args, systems, convs)
+    run_drivers(list(drivers.values()))
+    return {k: (d.outputs, d.ttft, d.prompt_tokens, d.llm, d.clock) for k, d in drivers.items()}
+
+
+def sizes(args, systems, convs) -> dict:
+    """Working set, pool, L2 and the unbounded / pool-only / tiered engine arguments."""
+    bs = args.block_size
+    final = [
+        sum(len(t) + args.output for t in turns) + len(systems[c % 3])
+        for c, turns in enumerate(convs)
+    ]
+    shared = sum(len(s) for s in systems)
+    working = sum(final) - shared * (len(convs) // 3 - 1)  # system prompts counted once
+    longest = max(final)
+    pool_blocks = max(int(working / args.pool_ratio) // bs, 3 * (longest // bs + 2)) + 2
+    from kvcore import LLM
+
+    probe = LLM(MODELS[args.model], num_blocks=4, block_size=bs)
+    block_bytes = probe.engine.runner.kv_cache_bytes // 4
+    del probe
+    ws_bytes = (working // bs + len(convs)) * block_bytes
+    return {
+        "working": working,
+        "pool_blocks": pool_blocks,
+        "working_over_pool": working / (pool_blocks * bs),
+        "block_bytes": block_bytes,
+        "ws_bytes": ws_bytes,
+        "configs": {
+            "unbounded": {"num_blocks": 4 * (working // bs) + 64},
+            "pool_only": {"num_blocks": pool_blocks},
+            "tiered": {"num_blocks": pool_blocks, "host_kv_bytes": ws_bytes},
+        },
+    }
 
 
 def hit_rate(llm) -> float:
@@ -163,6 +205,21 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--pool-ratio", type=float, default=4.5)
     ap.add_argument(
+        "--arrival",
+        choices=["waves", "closed"],
+        default="waves",
+        help="waves: turn t of every conversation at once; closed: --concurrency conversations "
+        "in flight, each submitting its next turn when its answer is done",
+    )
+    ap.add_argument("--concurrency", type=int, default=48, help="closed loop: conversations")
+    ap.add_argument(
+        "--timing",
+        choices=["paired", "sequential"],
+        default="paired",
+        help="paired: pool_only and tiered step in turn (same load, own-step clocks); "
+        "sequential: one configuration after the other (wall clock)",
+    )
+    ap.add_argument(
         "--configs",
         type=lambda v: v.split(","),
         default=ALL_CONFIGS,
@@ -175,39 +232,23 @@ def main() -> None:
     args = parse()
     torch.manual_seed(args.seed)
     systems, convs = make_workload(args)
-    bs = args.block_size
-    final = [
-        sum(len(t) + args.output for t in turns) + len(systems[c % 3])
-        for c, turns in enumerate(convs)
-    ]
-    shared = sum(len(s) for s in systems)
-    working = sum(final) - shared * (len(convs) // 3 - 1)  # system prompts counted once
-    longest = max(final)
-    pool_blocks = max(int(working / args.pool_ratio) // bs, 3 * (longest // bs + 2)) + 2
-    from kvcore import LLM
-
-    probe = LLM(MODELS[args.model], num_blocks=4, block_size=bs)
-    block_bytes = probe.engine.runner.kv_cache_bytes // 4
-    del probe
-    ws_bytes = (working // bs + len(convs)) * block_bytes
+    sz = sizes(args, systems, convs)
+    pool_blocks, ws_bytes = sz["pool_blocks"], sz["ws_bytes"]
     print(f"scale: {args.scale} x")
-    print(f"working_set_tokens: {working} tok")
-    print(f"pool_tokens: {pool_blocks * bs} tok")
-    print(f"working_set_over_pool: {working / (pool_blocks * bs):.2f} x")
+    print(f"working_set_tokens: {sz['working']} tok")
+    print(f"pool_tokens: {pool_blocks * args.block_size} tok")
+    print(f"working_set_over_pool: {sz['working_over_pool']:.2f} x")
+    block_bytes = sz["block_bytes"]
     tmp = tempfile.mkdtemp(prefix="kvcore-bench-tiers-")
     server, url = None, args.remote
     if url is None and "l4_first" in args.configs:
         server, url = start_redis(tmp)
-    configs = {
-        "unbounded": {"num_blocks": 4 * (working // bs) + 64},
-        "pool_only": {"num_blocks": pool_blocks},
-        "tiered": {"num_blocks": pool_blocks, "host_kv_bytes": ws_bytes},
-        "l2_l3": {
-            "num_blocks": pool_blocks,
-            "host_kv_bytes": ws_bytes // 2,
-            "disk_path": str(Path(tmp) / "disk"),
-            "disk_bytes": 4 * ws_bytes,
-        },
+    configs = dict(sz["configs"])
+    configs["l2_l3"] = {
+        "num_blocks": pool_blocks,
+        "host_kv_bytes": ws_bytes // 2,
+        "disk_path": str(Path(tmp) / "disk"),
+        "disk_bytes": 4 * ws_bytes,
     }
     if url and "l4_first" in args.configs:
         configs["l4_first"] = {
@@ -218,20 +259,32 @@ def main() -> None:
     keep = set(args.configs) | {"unbounded", "pool_only", "tiered"}
     configs = {k: v for k, v in configs.items() if k in keep}
     results = {}
+
+    def report(name, out, ttft, llm, seconds, what):
+        if llm.engine.tiers is not None:
+            llm.engine.tiers.close()
+        results[name] = (out, ttft, llm)
+        print(f"hit_rate_{name}: {hit_rate(llm):.4f} frac")
+        print(f"ttft_p50_ms_{name}: {np.percentile(ttft, 50) * 1e3:.1f} ms")
+        print(f"ttft_mean_ms_{name}: {np.mean(ttft) * 1e3:.1f} ms")
+        print(f"{what}_{name}: {seconds:.1f} s")
+        for k, v in llm.engine.tier_figures().items():
+            if k in ("tier_l2_hit_tokens", "tier_l3_fetched_tokens", "tier_swap_outs"):
+                print(f"{name}_{k}: {v} tok" if "tokens" in k else f"{name}_{k}: {v}")
+
+    paired = ("pool_only", "tiered") if args.timing == "paired" else ()
+    print(f"timing: {args.timing}  arrival: {args.arrival}")
     try:
         for name, kw in configs.items():
+            if name in paired:
+                continue
             start = time.perf_counter()
-            out, ttft, prompt_tokens, llm = serve(args, systems, convs, kw)
-            if llm.engine.tiers is not None:
-                llm.engine.tiers.close()
-            results[name] = (out, ttft, llm)
-            wall = time.perf_counter() - start
-            print(f"hit_rate_{name}: {hit_rate(llm):.4f} frac")
-            print(f"ttft_p50_ms_{name}: {np.percentile(ttft, 50) * 1e3:.1f} ms")
-            print(f"wall_s_{name}: {wall:.1f} s")
-            for k, v in llm.engine.tier_figures().items():
-                if k in ("tier_l2_hit_tokens", "tier_l3_fetched_tokens", "tier_swap_outs"):
-                    print(f"{name}_{k}: {v} tok" if "tokens" in k else f"{name}_{k}: {v}")
+            out, ttft, _, llm = serve(args, systems, convs, kw)
+            report(name, out, ttft, llm, time.perf_counter() - start, "wall_s")
+        if paired:
+            both = serve_paired(args, systems, convs, {k: configs[k] for k in paired})
+            for name, (out, ttft, _, llm, clock) in both.items():
+                report(name, out, ttft, llm, clock, "engine_s")
         ref = results["unbounded"][0]
         equal = all(r[0] == ref for r in results.values())
         second = None
@@ -271,6 +324,8 @@ def main() -> None:
     print(f"ttft_p50_ms_pool_only: {p_pool:.1f} ms")
     print(f"ttft_p50_ms_tiered: {p_tier:.1f} ms")
     print(f"ttft_speedup: {p_pool / p_tier:.2f} x  (target >= 2)")
+    m_pool, m_tier = (np.mean(results[k][1]) for k in ("pool_only", "tiered"))
+    print(f"ttft_mean_speedup: {m_pool / m_tier:.2f} x  ({args.timing} timing)")
     if second is not None:
         frac = second["l4"] / max(1, second["prompt_tokens"])
         print(f"remote_hit_fraction_second_process: {frac:.4f} frac  (target >= 0.80)")
