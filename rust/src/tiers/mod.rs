@@ -29,7 +29,7 @@ mod state;
 
 pub use host::{HostTier, SlotState};
 pub use rows::copy_block_rows;
-pub use state::{Swap, TierOps, TierStats, Tiers};
+pub use state::{Fetched, Swap, TierOps, TierStats, Tiers};
 
 use sha2::{Digest, Sha256};
 

@@ -70,6 +70,20 @@ pub struct Swap {
 struct Fetch {
     keys: Vec<BlockKey>,
     tokens: Vec<u32>,
+    ns: u64,
+    /// The sequence's tokens before the fetched blocks (whole blocks).
+    prefix: Vec<u32>,
+}
+
+/// Fetched blocks that went into L2 slots: what the prefix cache should name.
+#[derive(Debug, Clone, Default)]
+pub struct Fetched {
+    /// Slot per arrived block, in order (`u32::MAX`: L2 held it already).
+    pub slots: Vec<u32>,
+    /// Namespace of the sequence.
+    pub ns: u64,
+    /// (slot, key, prefix tokens through that block) for every block in L2 now.
+    pub attach: Vec<(u32, BlockKey, Vec<u32>)>,
 }
 
 /// Tier counters since construction.
@@ -203,13 +217,12 @@ impl Tiers {
         self.on_cached(b, key, &tokens[i * bs..]);
     }
 
-    /// L1 block `b` stopped being cached; `write_back`: copy it to L2 first (eviction).
-    pub fn on_uncached(&mut self, b: u32, write_back: bool) {
-        let Some(key) = self.l1_key[b as usize].take() else {
-            return;
-        };
+    /// L1 block `b` stopped being cached; `write_back`: copy it to L2 first (eviction). The L2
+    /// slot that holds its KV now, if any.
+    pub fn on_uncached(&mut self, b: u32, write_back: bool) -> Option<u32> {
+        let key = self.l1_key[b as usize].take()?;
         if !write_back || self.cfg.host_blocks == 0 {
-            return;
+            return None;
         }
         let bs = self.block_size;
         let tokens = self.l1_tokens[b as usize * bs..(b as usize + 1) * bs].to_vec();
@@ -221,9 +234,13 @@ impl Tiers {
                 self.ops.offload_keys.push(key);
                 self.ops.offload_tokens.extend_from_slice(&tokens);
                 self.stats.offloaded_blocks += 1;
+                Some(s)
             }
-            Some((_, false)) => {} // L2 already holds it (loaded earlier): nothing to copy
-            None => self.stats.offload_dropped += 1,
+            Some((s, false)) => Some(s), // L2 already holds it (loaded earlier): nothing to copy
+            None => {
+                self.stats.offload_dropped += 1;
+                None
+            }
         }
     }
 
@@ -238,35 +255,16 @@ impl Tiers {
         }
     }
 
-    /// L2 slots caching the chain of full blocks of `tokens` after the block keyed `parent`,
-    /// in order, up to `max_blocks`; each hit is pinned (release with `unpin_all`).
-    pub fn match_host(
-        &mut self,
-        parent: BlockKey,
-        ns: u64,
-        tokens: &[u32],
-        max_blocks: usize,
-    ) -> (Vec<u32>, BlockKey) {
-        let mut slots = Vec::new();
-        let mut key = parent;
-        if self.host.num_cached() == 0 {
-            return (slots, key);
+    /// Pins the L2 slots of a prefix hit (each becomes most recently used).
+    pub fn pin_hit(&mut self, slots: &[u32]) {
+        for &s in slots {
+            debug_assert!(matches!(self.host.state(s), SlotState::Cached(_)));
+            self.host.touch(s);
+            self.host.pin(s);
         }
-        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
-            let k = chain_key(&key, ns, chunk);
-            match self.host.lookup(&k, chunk) {
-                Some(s) => {
-                    self.host.pin(s);
-                    slots.push(s);
-                }
-                None => break,
-            }
-            key = k;
-        }
-        (slots, key)
     }
 
-    /// Releases the pins `match_host` took.
+    /// Releases the pins `pin_hit` took.
     pub fn unpin_all(&mut self, slots: &[u32]) {
         for &s in slots {
             self.host.unpin(s);
@@ -314,8 +312,16 @@ impl Tiers {
         true
     }
 
-    /// Asks L3/L4 for `keys` (with their tokens) on behalf of sequence `kv_id`.
-    pub fn start_fetch(&mut self, kv_id: u64, keys: Vec<BlockKey>, tokens: Vec<u32>) {
+    /// Asks L3/L4 for `keys` (with their tokens) on behalf of sequence `kv_id` in `ns`, whose
+    /// tokens before them are `prefix`.
+    pub fn start_fetch(
+        &mut self,
+        kv_id: u64,
+        keys: Vec<BlockKey>,
+        tokens: Vec<u32>,
+        ns: u64,
+        prefix: Vec<u32>,
+    ) {
         if self.ops.fetch_offsets.is_empty() {
             self.ops.fetch_offsets.push(0);
         }
@@ -325,7 +331,13 @@ impl Tiers {
         self.ops
             .fetch_offsets
             .push(self.ops.fetch_keys.len() as u32);
-        self.fetching.insert(kv_id, Fetch { keys, tokens });
+        let f = Fetch {
+            keys,
+            tokens,
+            ns,
+            prefix,
+        };
+        self.fetching.insert(kv_id, f);
         self.stats.fetch_requests += 1;
     }
 
@@ -336,22 +348,30 @@ impl Tiers {
 
     /// The first `count` blocks of `kv_id`'s fetch arrived: L2 slots to write them into, in
     /// order (`u32::MAX`: already cached, skip). Unknown or finished sequences get none.
-    pub fn fetched(&mut self, kv_id: u64, count: usize) -> Vec<u32> {
+    pub fn fetched(&mut self, kv_id: u64, count: usize) -> Fetched {
         let Some(f) = self.fetching.remove(&kv_id) else {
-            return Vec::new();
+            return Fetched::default();
         };
         self.probed.insert(kv_id);
         let bs = self.block_size;
-        let mut out = Vec::new();
+        let mut done = Fetched {
+            ns: f.ns,
+            ..Fetched::default()
+        };
+        let mut path = f.prefix;
         for (i, key) in f.keys.iter().enumerate().take(count) {
-            match self.host.insert(*key, &f.tokens[i * bs..(i + 1) * bs]) {
-                Some((s, true)) => out.push(s),
-                Some((_, false)) => out.push(u32::MAX),
+            let tokens = &f.tokens[i * bs..(i + 1) * bs];
+            path.extend_from_slice(tokens);
+            match self.host.insert(*key, tokens) {
+                Some((s, fresh)) => {
+                    done.slots.push(if fresh { s } else { u32::MAX });
+                    done.attach.push((s, *key, path.clone()));
+                }
                 None => break,
             }
         }
-        self.stats.fetched_blocks += out.iter().filter(|&&s| s != u32::MAX).count() as u64;
-        out
+        self.stats.fetched_blocks += done.slots.iter().filter(|&&s| s != u32::MAX).count() as u64;
+        done
     }
 
     /// Sequence `kv_id` is gone (finished or aborted): its swap slots and fetch state go.
