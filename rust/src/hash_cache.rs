@@ -314,7 +314,10 @@ mod tests {
         c.evict(7, None);
         assert_eq!((c.num_cached(), c.num_l2(), c.map.len()), (1, 0, 1));
         assert!(c.attach_l2(0, &[1, 2, 3, 4], 6));
-        assert!(!c.attach_l2(0, &[1, 2, 3, 4], 3), "entry names another slot");
+        assert!(
+            !c.attach_l2(0, &[1, 2, 3, 4], 3),
+            "entry names another slot"
+        );
         // A forged collision on an L2-only entry is a miss.
         c.slot_tokens[12..14].copy_from_slice(&[9, 9]);
         let (mut l1, mut l2) = (Vec::new(), Vec::new());

@@ -163,7 +163,10 @@ impl HashCache {
         }
         let in_l2 = self.map.values().filter(|e| e.l2 != NO_SLOT).count();
         if in_l2 != self.num_l2() {
-            return bad(format!("{} named slots, {in_l2} entries in L2", self.num_l2()));
+            return bad(format!(
+                "{} named slots, {in_l2} entries in L2",
+                self.num_l2()
+            ));
         }
         Ok(())
     }

@@ -149,10 +149,17 @@ fn l2_drops_prune_paths_and_attach_needs_the_path() {
     c.check_invariants().unwrap();
     assert!(c.attach_l2(0, &[1, 2, 3, 4], 4));
     assert!(!c.attach_l2(0, &[9, 9, 3, 4], 5), "path missing");
-    assert!(!c.attach_l2(0, &[1, 2, 3, 4], 6), "entry names another slot");
+    assert!(
+        !c.attach_l2(0, &[1, 2, 3, 4], 6),
+        "entry names another slot"
+    );
     assert!(!c.attach_l2(0, &[1, 2, 7, 7], 4), "slot named elsewhere");
     assert_eq!(tiered(&c, &[1, 2, 3, 4, 5]), (2, vec![1], vec![4]));
-    assert_eq!(tiered(&c, &[1, 2, 3]), (2, vec![1], vec![]), "L2 hits are whole blocks");
+    assert_eq!(
+        tiered(&c, &[1, 2, 3]),
+        (2, vec![1], vec![]),
+        "L2 hits are whole blocks"
+    );
     c.check_invariants().unwrap();
 }
 

@@ -271,14 +271,18 @@ impl RadixCache {
             }
             let off = nd.blocks.iter().filter(|&&b| b == NO_BLOCK).count();
             if off != nd.off_l1 as usize {
-                return bad(format!("node {n}: off_l1 {} but {off} entries off L1", nd.off_l1));
+                return bad(format!(
+                    "node {n}: off_l1 {} but {off} entries off L1",
+                    nd.off_l1
+                ));
             }
             for (i, (&b, &s)) in nd.blocks.iter().zip(&nd.l2).enumerate() {
                 if b == NO_BLOCK && s == NO_SLOT {
                     return bad(format!("entry {n}[{i}] holds KV on no tier"));
                 }
                 if b != NO_BLOCK
-                    && (self.block_node[b as usize] != n || self.block_pos[b as usize] as usize != i)
+                    && (self.block_node[b as usize] != n
+                        || self.block_pos[b as usize] as usize != i)
                 {
                     return bad(format!("block {b} index does not point at node {n}[{i}]"));
                 }
@@ -297,7 +301,10 @@ impl RadixCache {
                     return bad(format!("node {n}: stale first token of child {c}"));
                 }
                 if cn.parent != n || cn.ns != nd.ns {
-                    return bad(format!("child {c} of {n} has parent {} / wrong ns", cn.parent));
+                    return bad(format!(
+                        "child {c} of {n} has parent {} / wrong ns",
+                        cn.parent
+                    ));
                 }
                 for &d in &nd.children[..j] {
                     if self.nodes[d as usize].key[..bs] == cn.key[..bs] {
@@ -309,7 +316,10 @@ impl RadixCache {
         }
         let num_live = live.iter().filter(|&&x| x).count();
         if num_live != self.num_nodes() {
-            return bad(format!("{num_live} reachable nodes != {} live", self.num_nodes()));
+            return bad(format!(
+                "{num_live} reachable nodes != {} live",
+                self.num_nodes()
+            ));
         }
         let indexed = self.block_node.iter().filter(|&&n| n != NO_NODE).count();
         if count_blocks != self.num_cached || indexed != self.num_cached {
@@ -320,7 +330,10 @@ impl RadixCache {
         }
         let slots = self.slot_node.iter().filter(|&&n| n != NO_NODE).count();
         if count_slots != self.num_l2 || slots != self.num_l2 {
-            return bad(format!("{count_slots} slots in tree, {slots} indexed, {} counted", self.num_l2));
+            return bad(format!(
+                "{count_slots} slots in tree, {slots} indexed, {} counted",
+                self.num_l2
+            ));
         }
         Ok(())
     }

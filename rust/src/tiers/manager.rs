@@ -36,6 +36,18 @@ pub struct TieredHit {
     swap: bool,
 }
 
+impl TieredHit {
+    /// Hit tokens served from L1 (the rest of `num_tokens` is loaded from L2 slots).
+    pub fn l1_tokens(&self) -> usize {
+        self.l1.num_tokens
+    }
+
+    /// Hit tokens loaded from L2 (or from a swapped-out sequence's private slots).
+    pub fn l2_tokens(&self) -> usize {
+        self.num_tokens - self.l1.num_tokens
+    }
+}
+
 impl KvManager {
     /// Turns on tiers (call once, before any request).
     pub fn enable_tiers(&mut self, cfg: TierConfig) {

@@ -115,7 +115,11 @@ fn check_tree(s: &mut Scheduler, sim: &Sim, live: &[u64]) {
             assert_eq!(Sim::block(&sim.l1, b as usize, bs), want, "L1 block {b}");
         }
         if slot != NO_SLOT {
-            assert_eq!(Sim::block(&sim.l2, slot as usize, bs), want, "L2 slot {slot}");
+            assert_eq!(
+                Sim::block(&sim.l2, slot as usize, bs),
+                want,
+                "L2 slot {slot}"
+            );
         }
     }
     for id in live {
@@ -123,7 +127,11 @@ fn check_tree(s: &mut Scheduler, sim: &Sim, live: &[u64]) {
         let max = toks.len() - 1;
         let (n, l1, l2) = s.kv_mut().lookup_counts(ns, toks, max);
         let (k1, slots) = s.kv_mut().brute_counts(ns, toks, max);
-        assert_eq!((n / bs, &l2), (k1, &slots), "walk vs brute force, request {id}");
+        assert_eq!(
+            (n / bs, &l2),
+            (k1, &slots),
+            "walk vs brute force, request {id}"
+        );
         assert_eq!(l1.len(), n.div_ceil(bs));
     }
 }

@@ -9,6 +9,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use super::fetch::Fetch;
 use super::host::{HostTier, SlotState};
 use super::{chain_from_root, chain_key, BlockKey, TierConfig};
 use crate::error::{KvError, KvResult};
@@ -66,26 +67,6 @@ pub struct Swap {
     pub num_tokens: usize,
 }
 
-#[derive(Debug, Clone)]
-struct Fetch {
-    keys: Vec<BlockKey>,
-    tokens: Vec<u32>,
-    ns: u64,
-    /// The sequence's tokens before the fetched blocks (whole blocks).
-    prefix: Vec<u32>,
-}
-
-/// Fetched blocks that went into L2 slots: what the prefix cache should name.
-#[derive(Debug, Clone, Default)]
-pub struct Fetched {
-    /// Slot per arrived block, in order (`u32::MAX`: L2 held it already).
-    pub slots: Vec<u32>,
-    /// Namespace of the sequence.
-    pub ns: u64,
-    /// (slot, key, prefix tokens through that block) for every block in L2 now.
-    pub attach: Vec<(u32, BlockKey, Vec<u32>)>,
-}
-
 /// Tier counters since construction.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TierStats {
@@ -120,18 +101,18 @@ pub struct Tiers {
     pub cfg: TierConfig,
     /// L2 bookkeeping.
     pub host: HostTier,
-    block_size: usize,
+    pub(super) block_size: usize,
     l1_key: Vec<Option<BlockKey>>,
     l1_tokens: Vec<u32>,
-    ops: TierOps,
+    pub(super) ops: TierOps,
     load_pins: Vec<u32>,
     free_after_drain: Vec<u32>,
     /// Swapped-out sequences by KV id.
     pub swaps: HashMap<u64, Swap>,
-    fetching: HashMap<u64, Fetch>,
-    probed: HashSet<u64>,
+    pub(super) fetching: HashMap<u64, Fetch>,
+    pub(super) probed: HashSet<u64>,
     published: HashSet<BlockKey>,
-    stats: TierStats,
+    pub(super) stats: TierStats,
 }
 
 /// Published keys remembered (to skip re-publishing) before the set is cleared.
@@ -179,11 +160,6 @@ impl Tiers {
     /// The key chain root.
     pub fn root(&self) -> BlockKey {
         self.cfg.root
-    }
-
-    /// Whether sequence `kv_id` waits for a fetch.
-    pub fn is_fetching(&self, kv_id: u64) -> bool {
-        self.fetching.contains_key(&kv_id)
     }
 
     /// L1 block `b` was cached holding `tokens` under key `key`; publishes it to L4 once.
@@ -310,77 +286,6 @@ impl Tiers {
         self.swaps.insert(kv_id, Swap { slots, num_tokens });
         self.stats.swap_outs += 1;
         true
-    }
-
-    /// Asks L3/L4 for `keys` (with their tokens) on behalf of sequence `kv_id` in `ns`, whose
-    /// tokens before them are `prefix`.
-    pub fn start_fetch(
-        &mut self,
-        kv_id: u64,
-        keys: Vec<BlockKey>,
-        tokens: Vec<u32>,
-        ns: u64,
-        prefix: Vec<u32>,
-    ) {
-        if self.ops.fetch_offsets.is_empty() {
-            self.ops.fetch_offsets.push(0);
-        }
-        self.ops.fetch_seqs.push(kv_id);
-        self.ops.fetch_keys.extend_from_slice(&keys);
-        self.ops.fetch_tokens.extend_from_slice(&tokens);
-        self.ops
-            .fetch_offsets
-            .push(self.ops.fetch_keys.len() as u32);
-        let f = Fetch {
-            keys,
-            tokens,
-            ns,
-            prefix,
-        };
-        self.fetching.insert(kv_id, f);
-        self.stats.fetch_requests += 1;
-    }
-
-    /// Whether sequence `kv_id` was already asked for (one fetch per sequence).
-    pub fn probed(&self, kv_id: u64) -> bool {
-        self.probed.contains(&kv_id)
-    }
-
-    /// The first `count` blocks of `kv_id`'s fetch arrived: L2 slots to write them into, in
-    /// order (`u32::MAX`: already cached, skip). Unknown or finished sequences get none.
-    pub fn fetched(&mut self, kv_id: u64, count: usize) -> Fetched {
-        let Some(f) = self.fetching.remove(&kv_id) else {
-            return Fetched::default();
-        };
-        self.probed.insert(kv_id);
-        let bs = self.block_size;
-        let mut done = Fetched {
-            ns: f.ns,
-            ..Fetched::default()
-        };
-        let mut path = f.prefix;
-        for (i, key) in f.keys.iter().enumerate().take(count) {
-            let tokens = &f.tokens[i * bs..(i + 1) * bs];
-            path.extend_from_slice(tokens);
-            match self.host.insert(*key, tokens) {
-                Some((s, fresh)) => {
-                    done.slots.push(if fresh { s } else { u32::MAX });
-                    done.attach.push((s, *key, path.clone()));
-                }
-                None => break,
-            }
-        }
-        self.stats.fetched_blocks += done.slots.iter().filter(|&&s| s != u32::MAX).count() as u64;
-        done
-    }
-
-    /// Sequence `kv_id` is gone (finished or aborted): its swap slots and fetch state go.
-    pub fn forget(&mut self, kv_id: u64) {
-        if let Some(sw) = self.swaps.remove(&kv_id) {
-            sw.slots.into_iter().for_each(|s| self.host.free_private(s));
-        }
-        self.fetching.remove(&kv_id);
-        self.probed.remove(&kv_id);
     }
 
     /// Hands the pending moves to `out` (cleared first) and releases their pins.

@@ -20,7 +20,12 @@ impl KvManager {
     }
 
     /// One walk, no pins and no counters: (L1 tokens, L1 blocks, L2 slots after them).
-    pub fn lookup_counts(&mut self, ns: u64, tokens: &[u32], max: usize) -> (usize, Vec<u32>, Vec<u32>) {
+    pub fn lookup_counts(
+        &mut self,
+        ns: u64,
+        tokens: &[u32],
+        max: usize,
+    ) -> (usize, Vec<u32>, Vec<u32>) {
         let (mut l1, mut l2) = (Vec::new(), Vec::new());
         let n = self.cache.match_tiered(ns, tokens, max, &mut l1, &mut l2);
         (n, l1, l2)
