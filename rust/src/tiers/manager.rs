@@ -162,6 +162,8 @@ impl KvManager {
                 };
             }
         }
+        // Every L2 entry the walk passed is a use (as a probe of L2 was), extending or not.
+        slots.iter().for_each(|&s| t.host.touch(s));
         if (k1 + slots.len()) * bs <= l1.num_tokens {
             let n = l1.num_tokens;
             return TieredHit {

@@ -231,11 +231,10 @@ impl Tiers {
         }
     }
 
-    /// Pins the L2 slots of a prefix hit (each becomes most recently used).
+    /// Pins the L2 slots of a prefix hit.
     pub fn pin_hit(&mut self, slots: &[u32]) {
         for &s in slots {
             debug_assert!(matches!(self.host.state(s), SlotState::Cached(_)));
-            self.host.touch(s);
             self.host.pin(s);
         }
     }
