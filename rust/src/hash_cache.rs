@@ -15,8 +15,13 @@
 //! token ids and a hash match counts only when they are equal (a collision is a miss and the
 //! colliding block stays uncached), so a hash alone never reuses a block.
 //!
-//! Invariants: `map[h] == b` iff `hash[b] == Some(h)`; at most one block per hash (a second
-//! block with the same content stays uncached). Matching is at block granularity.
+//! Tiers (`hash_tiers.rs`): an entry is `(L1 block, L2 slot)`, either may be absent; an entry
+//! whose block was evicted and written back to L2 stays with its slot, a block loaded back takes
+//! its entry again, and an entry with neither is removed.
+//!
+//! Invariants: `map[h].l1 == b` iff `hash[b] == Some(h)`, `map[h].l2 == s` iff
+//! `slot_hash[s] == Some(h)`; at most one block per hash (a second block with the same content
+//! stays uncached). Matching is at block granularity.
 //!
 //! Costs: `match_prefix` and `insert_block` hash one block per step (O(block_size)) plus one
 //! hash-map probe; `evict` is O(1). Evicting an inner block leaves its descendants cached but
