@@ -661,7 +661,8 @@ class Scheduler:
     def tier_stats(self) -> dict[str, int]:
         """Tier counters: l1_hit_tokens, l2_hit_tokens, offloaded_blocks, offload_dropped,
         loaded_blocks, swap_outs, swap_ins, published_blocks, fetch_requests, fetched_blocks,
-        host_evictions, num_fetching."""
+        host_evictions, num_fetching; and l2_entries, the prefix-cache entries (radix nodes'
+        blocks or hash entries) that name an L2 slot now."""
 
     def has_unfinished(self) -> bool:
         """True while some request is unfinished."""

@@ -15,8 +15,13 @@
 //! token ids and a hash match counts only when they are equal (a collision is a miss and the
 //! colliding block stays uncached), so a hash alone never reuses a block.
 //!
-//! Invariants: `map[h] == b` iff `hash[b] == Some(h)`; at most one block per hash (a second
-//! block with the same content stays uncached). Matching is at block granularity.
+//! Tiers (`hash_tiers.rs`): an entry is `(L1 block, L2 slot)`, either may be absent; an entry
+//! whose block was evicted and written back to L2 stays with its slot, a block loaded back takes
+//! its entry again, and an entry with neither is removed.
+//!
+//! Invariants: `map[h].l1 == b` iff `hash[b] == Some(h)`, `map[h].l2 == s` iff
+//! `slot_hash[s] == Some(h)`; at most one block per hash (a second block with the same content
+//! stays uncached). Matching is at block granularity.
 //!
 //! Costs: `match_prefix` and `insert_block` hash one block per step (O(block_size)) plus one
 //! hash-map probe; `evict` is O(1). Evicting an inner block leaves its descendants cached but
@@ -28,8 +33,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use xxhash_rust::xxh3::xxh3_128;
 
 use crate::block_pool::NULL_BLOCK;
-use crate::error::{KvError, KvResult};
-use crate::radix_cache::InsertOutcome;
+use crate::radix_cache::{InsertOutcome, NO_BLOCK, NO_SLOT};
 
 /// Parent hash of the first block of every sequence.
 pub const ROOT_HASH: u128 = 0;
@@ -73,9 +77,16 @@ impl Hasher for FoldHasher {
     }
 }
 
-type FoldMap = HashMap<u128, u32, BuildHasherDefault<FoldHasher>>;
+type FoldMap = HashMap<u128, Entry, BuildHasherDefault<FoldHasher>>;
 
-/// Cached blocks indexed by their chained hash.
+/// Where one hashed block's KV lives: its L1 block and/or its L2 slot (`NO_BLOCK`/`NO_SLOT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub(crate) l1: u32,
+    pub(crate) l2: u32,
+}
+
+/// Cached blocks indexed by their chained hash; entries outlive L1 while an L2 slot holds them.
 #[derive(Debug, Clone)]
 pub struct HashCache {
     block_size: usize,
@@ -84,6 +95,9 @@ pub struct HashCache {
     scratch: Vec<u8>,
     tokens: Vec<u32>,
     sha256: bool,
+    slot_hash: Vec<Option<u128>>,
+    slot_tokens: Vec<u32>,
+    num_cached: usize,
 }
 
 impl HashCache {
@@ -96,6 +110,9 @@ impl HashCache {
             scratch: Vec::with_capacity(24 + 4 * block_size as usize),
             tokens: vec![0; num_blocks as usize * block_size as usize],
             sha256: false,
+            slot_hash: Vec::new(),
+            slot_tokens: Vec::new(),
+            num_cached: 0,
         }
     }
 
@@ -132,9 +149,18 @@ impl HashCache {
         &self.tokens[b as usize * bs..(b as usize + 1) * bs]
     }
 
-    /// Number of cached blocks.
+    /// The token ids an entry's KV holds (from its L1 block, else its L2 slot).
+    fn entry_tokens(&self, e: Entry) -> &[u32] {
+        if e.l1 != NO_BLOCK {
+            return self.tokens_of(e.l1);
+        }
+        let bs = self.block_size;
+        &self.slot_tokens[e.l2 as usize * bs..(e.l2 as usize + 1) * bs]
+    }
+
+    /// Number of cached (L1) blocks.
     pub fn num_cached(&self) -> usize {
-        self.map.len()
+        self.num_cached
     }
 
     /// Whether block `b` is cached here.
@@ -147,7 +173,7 @@ impl HashCache {
         self.hash[b as usize]
     }
 
-    /// Longest cached run of full blocks of `tokens[..max_tokens]` in `ns`; appends the
+    /// Longest run of full blocks of `tokens[..max_tokens]` in `ns` cached in L1; appends the
     /// blocks to `out` and returns the number of matched tokens (a multiple of block size).
     pub fn match_prefix(
         &mut self,
@@ -156,24 +182,11 @@ impl HashCache {
         max_tokens: usize,
         out: &mut Vec<u32>,
     ) -> usize {
-        let bs = self.block_size;
-        let limit = tokens.len().min(max_tokens);
-        let mut parent = ROOT_HASH;
-        let mut n = 0;
-        for chunk in tokens[..limit].chunks_exact(bs) {
-            let h = self.hash(parent, ns, chunk);
-            match self.map.get(&h) {
-                Some(&b) if self.tokens_of(b) == chunk => out.push(b),
-                _ => break,
-            }
-            parent = h;
-            n += bs;
-        }
-        n
+        self.walk(ns, tokens, max_tokens, out, None)
     }
 
     /// Offers block `b` (uncached, holding `tokens`) as the child of `parent` (`NULL_BLOCK` =
-    /// first block of a sequence in `ns`).
+    /// first block of a sequence in `ns`). An entry only L2 holds takes `b` as its L1 block.
     pub fn insert_block(&mut self, ns: u64, parent: u32, tokens: &[u32], b: u32) -> InsertOutcome {
         debug_assert_eq!(tokens.len(), self.block_size);
         let ph = if parent == NULL_BLOCK {
@@ -185,45 +198,50 @@ impl HashCache {
             }
         };
         let h = self.hash(ph, ns, tokens);
-        if let Some(&c) = self.map.get(&h) {
-            if self.tokens_of(c) != tokens {
+        let e = self.map.get(&h).copied();
+        if let Some(e) = e {
+            if self.entry_tokens(e) != tokens {
                 return InsertOutcome::ParentNotCached; // a collision: leave this block uncached
             }
-            return InsertOutcome::Existing(c);
+            if e.l1 != NO_BLOCK {
+                return InsertOutcome::Existing(e.l1);
+            }
         }
-        self.map.insert(h, b);
+        let l2 = e.map_or(NO_SLOT, |e| e.l2);
+        self.map.insert(h, Entry { l1: b, l2 });
         self.hash[b as usize] = Some(h);
+        self.num_cached += 1;
         let bs = self.block_size;
         self.tokens[b as usize * bs..(b as usize + 1) * bs].copy_from_slice(tokens);
         InsertOutcome::Inserted
     }
 
-    /// Drops cached block `b` (just evicted by the pool).
-    pub fn evict(&mut self, b: u32) {
-        if let Some(h) = self.hash[b as usize].take() {
-            self.map.remove(&h);
-        }
-    }
-
-    /// Verifies that the map and the per-block hashes agree.
-    pub fn check_invariants(&self) -> KvResult<()> {
-        for (&h, &b) in &self.map {
-            if self.hash.get(b as usize).copied().flatten() != Some(h) {
-                return Err(KvError::Invariant(format!(
-                    "hash cache: block {b} not keyed by its hash"
-                )));
+    /// Drops cached block `b` from L1 (just evicted by the pool). With `slot` (its KV was
+    /// written back there) or a slot already on its entry, the entry stays as an L2 entry.
+    pub fn evict(&mut self, b: u32, slot: Option<u32>) {
+        let Some(h) = self.hash[b as usize].take() else {
+            return;
+        };
+        self.num_cached -= 1;
+        let mut e = self.map[&h];
+        e.l1 = NO_BLOCK;
+        if let Some(s) = slot.filter(|&s| s != e.l2) {
+            if e.l2 != NO_SLOT {
+                self.slot_hash[e.l2 as usize] = None;
             }
+            e.l2 = s;
+            self.name_slot(s, h, b);
         }
-        let n = self.hash.iter().filter(|h| h.is_some()).count();
-        if n != self.map.len() {
-            return Err(KvError::Invariant(format!(
-                "hash cache: {n} hashed blocks, {} keys",
-                self.map.len()
-            )));
+        if e.l2 == NO_SLOT {
+            self.map.remove(&h);
+        } else {
+            self.map.insert(h, e);
         }
-        Ok(())
     }
 }
+
+#[path = "hash_tiers.rs"]
+mod tiers;
 
 #[cfg(test)]
 mod tests {
@@ -253,7 +271,7 @@ mod tests {
         assert_eq!(c.match_prefix(1, &[1, 2, 3, 4], 4, &mut Vec::new()), 0);
         // Same tokens after a different parent: a different hash.
         assert_eq!(c.match_prefix(0, &[3, 4], 2, &mut Vec::new()), 0);
-        c.evict(1);
+        c.evict(1, None);
         assert_eq!(c.match_prefix(0, &[1, 2, 3, 4], 4, &mut Vec::new()), 0);
         assert_eq!(c.num_cached(), 1);
         c.check_invariants().unwrap();
@@ -280,6 +298,36 @@ mod tests {
         );
         assert_eq!(c.hash_of(1), Some(h));
         assert!(c.is_sha256() && !HashCache::new(8, 2).is_sha256());
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn evicted_entries_stay_on_l2_compare_tokens_and_reattach() {
+        let mut c = HashCache::with_sha256(8, 2);
+        c.insert_block(0, NULL_BLOCK, &[1, 2], 1);
+        c.insert_block(0, 1, &[3, 4], 2);
+        c.evict(2, Some(5));
+        let (mut l1, mut l2) = (Vec::new(), Vec::new());
+        assert_eq!(c.match_tiered(0, &[1, 2, 3, 4], 4, &mut l1, &mut l2), 2);
+        assert_eq!((l1, l2), (vec![1], vec![5]));
+        assert_eq!(c.match_prefix(0, &[1, 2, 3, 4], 4, &mut Vec::new()), 2);
+        // A block loaded back re-attaches; the entry keeps its slot.
+        assert_eq!(c.insert_block(0, 1, &[3, 4], 7), InsertOutcome::Inserted);
+        assert_eq!(c.match_prefix(0, &[1, 2, 3, 4], 4, &mut Vec::new()), 4);
+        c.drop_l2(5);
+        c.check_invariants().unwrap();
+        c.evict(7, None);
+        assert_eq!((c.num_cached(), c.num_l2(), c.map.len()), (1, 0, 1));
+        assert!(c.attach_l2(0, &[1, 2, 3, 4], 6));
+        assert!(
+            !c.attach_l2(0, &[1, 2, 3, 4], 3),
+            "entry names another slot"
+        );
+        // A forged collision on an L2-only entry is a miss.
+        c.slot_tokens[12..14].copy_from_slice(&[9, 9]);
+        let (mut l1, mut l2) = (Vec::new(), Vec::new());
+        c.match_tiered(0, &[1, 2, 3, 4], 4, &mut l1, &mut l2);
+        assert!(l2.is_empty());
         c.check_invariants().unwrap();
     }
 

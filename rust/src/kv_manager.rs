@@ -427,8 +427,11 @@ impl KvManager {
             self.stats.evictions += 1;
             self.scratch.clear();
             let mut dropped = std::mem::take(&mut self.scratch);
-            self.tier_uncached(b, true); // write-back to L2 (an op applied before the forward)
-            self.cache.evict(b, &mut dropped);
+            // Write-back to L2 (an op applied before the forward); the entry keeps the slot.
+            let slot = self.tier_uncached(b, true);
+            self.drop_evicted_slots(&mut dropped);
+            self.cache.evict(b, slot, &mut dropped);
+            dropped.retain(|&x| x != b);
             // Rare (see radix_cache): a canonical order keeps the free queue deterministic.
             dropped.sort_unstable();
             for &x in &dropped {
@@ -500,6 +503,9 @@ mod retention;
 #[path = "tiers/manager.rs"]
 mod tier_manager;
 pub use tier_manager::TieredHit;
+
+#[path = "tiers/tree_check.rs"]
+mod tree_check;
 
 #[cfg(test)]
 #[path = "kv_manager_tests.rs"]

@@ -114,13 +114,91 @@ impl PrefixCache {
         }
     }
 
-    /// Drops evicted block `b`; blocks that stop being cached with it go to `also_dropped`.
-    pub fn evict(&mut self, b: u32, also_dropped: &mut Vec<u32>) {
+    /// Drops evicted block `b` from L1; with `slot` (written back there) its entry stays as an
+    /// L2 entry. Blocks that stop being cached with it go to `also_dropped`.
+    pub fn evict(&mut self, b: u32, slot: Option<u32>, also_dropped: &mut Vec<u32>) {
         match self {
             PrefixCache::Off => {}
-            PrefixCache::Radix(c) => c.evict(b, also_dropped),
-            PrefixCache::Hash(c) => c.evict(b),
+            PrefixCache::Radix(c) => c.evict(b, slot, also_dropped),
+            PrefixCache::Hash(c) => c.evict(b, slot),
         }
+    }
+
+    /// One walk: the L1 prefix (blocks to `l1`, token count returned, as `match_prefix`) and
+    /// the L2 slots of the full blocks right after its last full block (to `l2`).
+    pub fn match_tiered(
+        &mut self,
+        ns: u64,
+        tokens: &[u32],
+        max_tokens: usize,
+        l1: &mut Vec<u32>,
+        l2: &mut Vec<u32>,
+    ) -> usize {
+        match self {
+            PrefixCache::Off => 0,
+            PrefixCache::Radix(c) => c.match_tiered(ns, tokens, max_tokens, l1, l2),
+            PrefixCache::Hash(c) => c.match_tiered(ns, tokens, max_tokens, l1, l2),
+        }
+    }
+
+    /// Names L2 slot `s` on the entry of the last block of `tokens` (whole blocks); false when
+    /// the path is not in the cache (radix) or the entry disagrees.
+    pub fn attach_l2(&mut self, ns: u64, tokens: &[u32], s: u32) -> bool {
+        match self {
+            PrefixCache::Off => false,
+            PrefixCache::Radix(c) => c.attach_l2(ns, tokens, s),
+            PrefixCache::Hash(c) => c.attach_l2(ns, tokens, s),
+        }
+    }
+
+    /// L2 slot `s` was evicted or reused: entries forget it; L1 blocks that stop being cached
+    /// (their path lost every tier) go to `dropped`.
+    pub fn drop_l2(&mut self, s: u32, dropped: &mut Vec<u32>) {
+        match self {
+            PrefixCache::Off => {}
+            PrefixCache::Radix(c) => c.drop_l2(s, dropped),
+            PrefixCache::Hash(c) => c.drop_l2(s),
+        }
+    }
+
+    /// Entries that name an L2 slot.
+    pub fn num_l2(&self) -> usize {
+        match self {
+            PrefixCache::Off => 0,
+            PrefixCache::Radix(c) => c.num_l2(),
+            PrefixCache::Hash(c) => c.num_l2(),
+        }
+    }
+
+    /// Brute force, for tests: (L1 block, L2 slot) of the entry of each leading full block of
+    /// `tokens` that has one, found without the walk (radix: a scan of every entry).
+    pub fn brute_entries(&mut self, ns: u64, tokens: &[u32], bs: usize) -> Vec<(u32, u32)> {
+        let mut out = Vec::new();
+        match self {
+            PrefixCache::Off => {}
+            PrefixCache::Radix(c) => {
+                let all: std::collections::HashMap<(u64, Vec<u32>), (u32, u32)> = c
+                    .entries()
+                    .into_iter()
+                    .map(|(n, p, b, s)| ((n, p), (b, s)))
+                    .collect();
+                for k in 1..=tokens.len() / bs {
+                    match all.get(&(ns, tokens[..k * bs].to_vec())) {
+                        Some(&e) => out.push(e),
+                        None => break,
+                    }
+                }
+            }
+            PrefixCache::Hash(c) => {
+                for k in 1..=tokens.len() / bs {
+                    match c.entry_of_path(ns, &tokens[..k * bs]) {
+                        Some(e) => out.push(e),
+                        None => break,
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// Whether block `b` is cached.

@@ -412,6 +412,7 @@ impl PyScheduler {
                 ("fetched_blocks", s.fetched_blocks),
                 ("host_evictions", s.host_evictions),
                 ("num_fetching", sched.num_fetching() as u64),
+                ("l2_entries", sched.kv().num_l2_entries() as u64),
             ])
         })
     }

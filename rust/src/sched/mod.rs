@@ -177,6 +177,12 @@ impl Scheduler {
         &self.kv
     }
 
+    /// The KV manager, mutable (tests).
+    #[cfg(test)]
+    pub(crate) fn kv_mut(&mut self) -> &mut KvManager {
+        &mut self.kv
+    }
+
     /// True while some request is unfinished.
     pub fn has_unfinished(&self) -> bool {
         !self.requests.is_empty()

@@ -42,6 +42,8 @@ pub struct HostTier {
     clock: u64,
     /// Cached slots evicted to make room.
     pub evictions: u64,
+    /// Cached slots evicted since the last `take_evicted` (the prefix cache drops them).
+    evicted: Vec<u32>,
 }
 
 impl HostTier {
@@ -59,6 +61,7 @@ impl HostTier {
             free: (0..num_slots).rev().collect(),
             clock: 0,
             evictions: 0,
+            evicted: Vec::new(),
         }
     }
 
@@ -144,7 +147,18 @@ impl HostTier {
         }
     }
 
-    fn touch(&mut self, s: u32) {
+    /// The cached slots evicted since the last call, in order (a slot may have a new owner).
+    pub fn take_evicted(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// Whether any cached slot was evicted since the last `take_evicted`.
+    pub fn has_evicted(&self) -> bool {
+        !self.evicted.is_empty()
+    }
+
+    /// Marks slot `s` most recently used (a prefix hit on it).
+    pub fn touch(&mut self, s: u32) {
         self.clock += 1;
         let i = s as usize;
         if self.pins[i] == 0 {
@@ -170,6 +184,7 @@ impl HostTier {
         }
         self.state[s as usize] = SlotState::Free;
         self.evictions += 1;
+        self.evicted.push(s);
         Some(s)
     }
 

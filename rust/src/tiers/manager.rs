@@ -1,18 +1,25 @@
 //! The KV manager's side of the tiers: keys of cached blocks, write-back on eviction, prefix
 //! lookups that continue below L1, admission with loads, swap-out, fetch requests.
 //!
-//! A tiered lookup first matches L1 (the prefix cache, token granularity), then continues the
-//! key chain in L2 from the last full L1 block. When L2 extends the hit, the hit becomes the L1
-//! full blocks plus fresh L1 blocks that load the L2 slots before the forward; the loaded blocks
-//! enter the prefix cache again once the step that loads them has run (`cache_computed`). A
-//! swapped-out sequence is admitted the same way with its private slots in place of L2 hits.
+//! A tiered lookup is one walk of the prefix cache (`match_tiered`): entries whose block left L1
+//! keep the L2 slot it was written back to, so the walk reports the L1 prefix (token
+//! granularity) and the L2 slots of the full blocks after it. When L2 extends the hit, the hit
+//! becomes the L1 full blocks plus fresh L1 blocks that load the L2 slots before the forward;
+//! the loaded blocks re-attach to their entries once the step that loads them has run
+//! (`cache_computed`). A swapped-out sequence is admitted the same way with its private slots
+//! in place of L2 hits. Every call that can evict an L2 slot (write-back, fetch, swap-out)
+//! then drops that slot from the prefix cache before the slot is named again, so an entry never
+//! names a reused slot; blocks fetched from L3/L4 are named on their entries as they land.
 //!
-//! Costs: a lookup hashes (SHA-256) one block per L2 probe and per fetched key; eviction
-//! write-back is O(log L2 slots) per evicted block.
+//! Costs: a lookup is the prefix cache's walk plus O(log L2 slots) per L2 hit (pins); the key
+//! of the last full L1 block is computed (SHA-256) only for a fetch; eviction write-back is
+//! O(log L2 slots) per evicted block.
 
 use super::{blocks_for, KvManager, PrefixHit};
 use crate::error::KvResult;
-use crate::tiers::{chain_from_root, chain_key, BlockKey, TierConfig, TierOps, TierStats, Tiers};
+use crate::tiers::{
+    chain_from_root, chain_key, BlockKey, SlotState, TierConfig, TierOps, TierStats, Tiers,
+};
 
 /// A prefix hit across L1 and L2 (or a swapped-out sequence's own blocks).
 #[derive(Debug, Clone, Default)]
@@ -27,6 +34,18 @@ pub struct TieredHit {
     num_full: usize,
     last_key: BlockKey,
     swap: bool,
+}
+
+impl TieredHit {
+    /// Hit tokens served from L1 (the rest of `num_tokens` is loaded from L2 slots).
+    pub fn l1_tokens(&self) -> usize {
+        self.l1.num_tokens
+    }
+
+    /// Hit tokens loaded from L2 (or from a swapped-out sequence's private slots).
+    pub fn l2_tokens(&self) -> usize {
+        self.num_tokens - self.l1.num_tokens
+    }
 }
 
 impl KvManager {
@@ -58,15 +77,42 @@ impl KvManager {
         }
     }
 
-    /// L1 block `b` leaves the prefix cache; `write_back` on eviction.
-    pub(super) fn tier_uncached(&mut self, b: u32, write_back: bool) {
-        if let Some(t) = self.tiers.as_mut() {
-            t.on_uncached(b, write_back);
+    /// L1 block `b` leaves the prefix cache; `write_back` on eviction. The L2 slot that holds
+    /// its KV now, if any.
+    pub(super) fn tier_uncached(&mut self, b: u32, write_back: bool) -> Option<u32> {
+        self.tiers.as_mut()?.on_uncached(b, write_back)
+    }
+
+    /// The prefix cache forgets the L2 slots evicted since the last call (before any of them is
+    /// named again); L1 blocks whose path lost every tier go to `dropped` (still cached in the
+    /// pool: the caller uncaches them).
+    pub(super) fn drop_evicted_slots(&mut self, dropped: &mut Vec<u32>) {
+        let Some(t) = self.tiers.as_mut().filter(|t| t.host.has_evicted()) else {
+            return;
+        };
+        for s in t.host.take_evicted() {
+            self.cache.drop_l2(s, dropped);
         }
     }
 
-    /// Longest prefix of `tokens[..max_tokens]` in L1 then L2 (or `kv_id`'s swapped blocks).
-    /// Hit slots are pinned: pass the hit to `admit_tiered` or `release_hit`.
+    /// `drop_evicted_slots`, then uncaches the L1 blocks it dropped.
+    fn sync_evicted_slots(&mut self) {
+        let mut dropped = Vec::new();
+        self.drop_evicted_slots(&mut dropped);
+        if dropped.is_empty() {
+            return;
+        }
+        self.epoch += 1;
+        dropped.sort_unstable();
+        for x in dropped {
+            self.pool.set_cached(x, false);
+            self.tier_uncached(x, false);
+        }
+    }
+
+    /// Longest prefix of `tokens[..max_tokens]` in L1 then L2 (or `kv_id`'s swapped blocks),
+    /// from one walk of the prefix cache. Hit slots are pinned: pass the hit to `admit_tiered`
+    /// or `release_hit`.
     pub fn lookup_tiered(
         &mut self,
         kv_id: u64,
@@ -75,14 +121,24 @@ impl KvManager {
         max_tokens: usize,
     ) -> TieredHit {
         let bs = self.block_size as usize;
-        let l1 = self.lookup_prefix(ns, tokens, max_tokens);
-        let Some(t) = self.tiers.as_ref() else {
+        let Some(t) = self.tiers.as_mut() else {
+            let l1 = self.lookup_prefix(ns, tokens, max_tokens);
             let n = l1.num_tokens;
             return TieredHit {
                 num_tokens: n,
                 l1,
                 ..TieredHit::default()
             };
+        };
+        let (mut blocks, mut slots) = (Vec::new(), Vec::new());
+        let n = self
+            .cache
+            .match_tiered(ns, tokens, max_tokens, &mut blocks, &mut slots);
+        let l1 = PrefixHit {
+            num_tokens: n,
+            blocks,
+            ns,
+            epoch: self.epoch,
         };
         let k1 = l1.num_tokens / bs;
         let root = t.root();
@@ -92,7 +148,6 @@ impl KvManager {
                 .key_of(l1.blocks[k1 - 1])
                 .unwrap_or_else(|| chain_from_root(root, ns, &tokens[..k1 * bs], bs)),
         };
-        let t = self.tiers.as_mut().expect("checked above");
         if let Some(sw) = t.swaps.get(&kv_id) {
             if sw.num_tokens > l1.num_tokens && sw.num_tokens <= max_tokens {
                 let slots = sw.slots[k1..].to_vec();
@@ -107,10 +162,9 @@ impl KvManager {
                 };
             }
         }
-        let limit = max_tokens.min(tokens.len()) / bs;
-        let (slots, last_key) = t.match_host(pk, ns, &tokens[k1 * bs..], limit.saturating_sub(k1));
+        // Every L2 entry the walk passed is a use (as a probe of L2 was), extending or not.
+        slots.iter().for_each(|&s| t.host.touch(s));
         if (k1 + slots.len()) * bs <= l1.num_tokens {
-            t.unpin_all(&slots);
             let n = l1.num_tokens;
             return TieredHit {
                 num_tokens: n,
@@ -120,6 +174,11 @@ impl KvManager {
                 ..TieredHit::default()
             };
         }
+        t.pin_hit(&slots);
+        let last_key = match slots.last().map(|&s| t.host.state(s)) {
+            Some(SlotState::Cached(k)) => k,
+            _ => pk,
+        };
         let num_full = k1 + slots.len();
         TieredHit {
             l1: truncated(l1, k1, bs),
@@ -221,7 +280,9 @@ impl KvManager {
             key = chain_key(&key, ns, c);
             keys.push(key);
         }
-        t.start_fetch(kv_id, keys, tokens[hit.num_full * bs..total * bs].to_vec());
+        let fetched = tokens[hit.num_full * bs..total * bs].to_vec();
+        let prefix = tokens[..hit.num_full * bs].to_vec();
+        t.start_fetch(kv_id, keys, fetched, ns, prefix);
         true
     }
 
@@ -242,7 +303,9 @@ impl KvManager {
         if table.num_released > 0 || self.copy_ops.iter().any(|op| blocks.contains(&op[1])) {
             return false;
         }
-        t.swap_out(req, blocks, num_tokens)
+        let ok = t.swap_out(req, blocks, num_tokens);
+        self.sync_evicted_slots();
+        ok
     }
 
     /// Sequence `kv_id` finished or was aborted: drop its tier state.
@@ -257,12 +320,22 @@ impl KvManager {
         self.tiers.as_ref().is_some_and(|t| t.is_fetching(kv_id))
     }
 
-    /// `count` blocks of `kv_id`'s fetch arrived: the L2 slots to write them to.
+    /// `count` blocks of `kv_id`'s fetch arrived: the L2 slots to write them to. The prefix
+    /// cache names each slot on its block's entry (radix: where the path to it is still there).
     pub fn tier_fetched(&mut self, kv_id: u64, count: usize) -> Vec<u32> {
-        self.tiers
-            .as_mut()
-            .map(|t| t.fetched(kv_id, count))
-            .unwrap_or_default()
+        let Some(t) = self.tiers.as_mut() else {
+            return Vec::new();
+        };
+        let done = t.fetched(kv_id, count);
+        self.sync_evicted_slots();
+        let t = self.tiers.as_ref().expect("checked above");
+        for (s, key, path) in &done.attach {
+            // A slot taken again later in the same batch holds another key: skip it.
+            if t.host.state(*s) == SlotState::Cached(*key) {
+                self.cache.attach_l2(done.ns, path, *s);
+            }
+        }
+        done.slots
     }
 
     /// Moves the pending tier ops to `out` (release their pins). Apply before the forward.

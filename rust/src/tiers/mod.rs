@@ -21,12 +21,14 @@
 //! the plan is drained; a sequence whose keys are being fetched waits (`fetching`) until Python
 //! reports the fetch done (`Scheduler::tier_fetched`), then it is admitted with whatever arrived.
 
+mod fetch;
 pub mod host;
 #[cfg(test)]
 mod proptests;
 mod rows;
 mod state;
 
+pub use fetch::Fetched;
 pub use host::{HostTier, SlotState};
 pub use rows::copy_block_rows;
 pub use state::{Swap, TierOps, TierStats, Tiers};

@@ -12,6 +12,8 @@ use std::collections::HashMap;
 use proptest::prelude::*;
 
 use super::{BlockKey, Preemption, TierConfig};
+use crate::prefix_cache::PrefixMode;
+use crate::radix_cache::{NO_BLOCK, NO_SLOT};
 use crate::request::{FinishReason, NewRequest};
 use crate::sched::{Scheduler, SchedulerConfig, StepPlan};
 
@@ -23,6 +25,7 @@ struct Sim {
     l2: Vec<Kv>,
     store: HashMap<BlockKey, Vec<Kv>>,
     tokens: HashMap<u64, Vec<u32>>,
+    ns: HashMap<u64, u64>,
 }
 
 impl Sim {
@@ -99,6 +102,40 @@ impl Sim {
     }
 }
 
+/// The prefix cache's tier entries against the tiers, the simulated KV and a brute force:
+/// every entry's L1 block and L2 slot hold its path's KV, and the walk's per-tier counts for
+/// every live sequence equal a recount entry by entry.
+fn check_tree(s: &mut Scheduler, sim: &Sim, live: &[u64]) {
+    let bs = sim.bs;
+    s.kv().check_tier_refs().unwrap();
+    for (_, path, b, slot) in s.kv().tier_entries() {
+        let k = path.len() - bs;
+        let want: Vec<Kv> = (k..path.len()).map(|p| Some((p as u32, path[p]))).collect();
+        if b != NO_BLOCK {
+            assert_eq!(Sim::block(&sim.l1, b as usize, bs), want, "L1 block {b}");
+        }
+        if slot != NO_SLOT {
+            assert_eq!(
+                Sim::block(&sim.l2, slot as usize, bs),
+                want,
+                "L2 slot {slot}"
+            );
+        }
+    }
+    for id in live {
+        let (toks, ns) = (&sim.tokens[id], sim.ns[id]);
+        let max = toks.len() - 1;
+        let (n, l1, l2) = s.kv_mut().lookup_counts(ns, toks, max);
+        let (k1, slots) = s.kv_mut().brute_counts(ns, toks, max);
+        assert_eq!(
+            (n / bs, &l2),
+            (k1, &slots),
+            "walk vs brute force, request {id}"
+        );
+        assert_eq!(l1.len(), n.div_ceil(bs));
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Add {
@@ -131,8 +168,10 @@ fn run(
     mode: usize,
     budget: u32,
     ops: Vec<Op>,
+    prefix: PrefixMode,
 ) -> super::TierStats {
     let mut cfg = SchedulerConfig::new(num_blocks, bs);
+    cfg.prefix_mode = prefix;
     cfg.max_num_batched_tokens = budget;
     cfg.watermark = 0.0;
     cfg.max_model_len = 64;
@@ -153,6 +192,7 @@ fn run(
         l2: vec![None; host as usize * bsz],
         store: HashMap::new(),
         tokens: HashMap::new(),
+        ns: HashMap::new(),
     };
     let mut live: Vec<u64> = Vec::new();
     let mut next_id = 0u64;
@@ -160,6 +200,7 @@ fn run(
         let p = s.schedule().unwrap();
         sim.apply(&p);
         sim.fetch(s, &p, short);
+        check_tree(s, sim, live);
         let sampled: Vec<u32> = (0..p.num_sampled())
             .map(|k| {
                 let id = p.sample_req_ids[k] as u64;
@@ -200,6 +241,7 @@ fn run(
                 r.ignore_eos = true;
                 if s.add_requests(vec![r]).is_ok() {
                     sim.tokens.insert(next_id, prompt);
+                    sim.ns.insert(next_id, ns);
                     live.push(next_id);
                 }
                 next_id += 1;
@@ -242,7 +284,7 @@ fn scripted_trace_takes_every_tier_path() {
             [add, Op::Step(i), Op::Step(i + 1)]
         })
         .collect();
-    let swap = run(16, 4, 24, 1, 24, ops.clone());
+    let swap = run(16, 4, 24, 1, 24, ops.clone(), PrefixMode::Radix);
     assert!(
         swap.offloaded_blocks > 0 && swap.l2_hit_tokens > 0,
         "{swap:?}"
@@ -271,7 +313,7 @@ fn scripted_trace_takes_every_tier_path() {
         max_tokens: 2,
         ns: 0,
     });
-    let fetch = run(16, 4, 4, 3, 24, ops);
+    let fetch = run(16, 4, 4, 3, 24, ops.clone(), PrefixMode::Radix);
     assert!(
         fetch.fetch_requests > 0 && fetch.fetched_blocks > 0,
         "{fetch:?}"
@@ -290,7 +332,9 @@ proptest! {
         mode in 0usize..6,
         budget in 4u32..48,
         ops in prop::collection::vec(op(), 1..60),
+        prefix in 0usize..3,
     ) {
-        run(num_blocks, bs, host, mode, budget, ops);
+        let prefix = [PrefixMode::Radix, PrefixMode::Hash, PrefixMode::HashSha256][prefix];
+        run(num_blocks, bs, host, mode, budget, ops, prefix);
     }
 }

@@ -9,6 +9,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use super::fetch::Fetch;
 use super::host::{HostTier, SlotState};
 use super::{chain_from_root, chain_key, BlockKey, TierConfig};
 use crate::error::{KvError, KvResult};
@@ -66,12 +67,6 @@ pub struct Swap {
     pub num_tokens: usize,
 }
 
-#[derive(Debug, Clone)]
-struct Fetch {
-    keys: Vec<BlockKey>,
-    tokens: Vec<u32>,
-}
-
 /// Tier counters since construction.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TierStats {
@@ -106,18 +101,18 @@ pub struct Tiers {
     pub cfg: TierConfig,
     /// L2 bookkeeping.
     pub host: HostTier,
-    block_size: usize,
+    pub(super) block_size: usize,
     l1_key: Vec<Option<BlockKey>>,
     l1_tokens: Vec<u32>,
-    ops: TierOps,
+    pub(super) ops: TierOps,
     load_pins: Vec<u32>,
     free_after_drain: Vec<u32>,
     /// Swapped-out sequences by KV id.
     pub swaps: HashMap<u64, Swap>,
-    fetching: HashMap<u64, Fetch>,
-    probed: HashSet<u64>,
+    pub(super) fetching: HashMap<u64, Fetch>,
+    pub(super) probed: HashSet<u64>,
     published: HashSet<BlockKey>,
-    stats: TierStats,
+    pub(super) stats: TierStats,
 }
 
 /// Published keys remembered (to skip re-publishing) before the set is cleared.
@@ -167,11 +162,6 @@ impl Tiers {
         self.cfg.root
     }
 
-    /// Whether sequence `kv_id` waits for a fetch.
-    pub fn is_fetching(&self, kv_id: u64) -> bool {
-        self.fetching.contains_key(&kv_id)
-    }
-
     /// L1 block `b` was cached holding `tokens` under key `key`; publishes it to L4 once.
     pub fn on_cached(&mut self, b: u32, key: BlockKey, tokens: &[u32]) {
         let bs = self.block_size;
@@ -203,13 +193,12 @@ impl Tiers {
         self.on_cached(b, key, &tokens[i * bs..]);
     }
 
-    /// L1 block `b` stopped being cached; `write_back`: copy it to L2 first (eviction).
-    pub fn on_uncached(&mut self, b: u32, write_back: bool) {
-        let Some(key) = self.l1_key[b as usize].take() else {
-            return;
-        };
+    /// L1 block `b` stopped being cached; `write_back`: copy it to L2 first (eviction). The L2
+    /// slot that holds its KV now, if any.
+    pub fn on_uncached(&mut self, b: u32, write_back: bool) -> Option<u32> {
+        let key = self.l1_key[b as usize].take()?;
         if !write_back || self.cfg.host_blocks == 0 {
-            return;
+            return None;
         }
         let bs = self.block_size;
         let tokens = self.l1_tokens[b as usize * bs..(b as usize + 1) * bs].to_vec();
@@ -221,9 +210,13 @@ impl Tiers {
                 self.ops.offload_keys.push(key);
                 self.ops.offload_tokens.extend_from_slice(&tokens);
                 self.stats.offloaded_blocks += 1;
+                Some(s)
             }
-            Some((_, false)) => {} // L2 already holds it (loaded earlier): nothing to copy
-            None => self.stats.offload_dropped += 1,
+            Some((s, false)) => Some(s), // L2 already holds it (loaded earlier): nothing to copy
+            None => {
+                self.stats.offload_dropped += 1;
+                None
+            }
         }
     }
 
@@ -238,35 +231,15 @@ impl Tiers {
         }
     }
 
-    /// L2 slots caching the chain of full blocks of `tokens` after the block keyed `parent`,
-    /// in order, up to `max_blocks`; each hit is pinned (release with `unpin_all`).
-    pub fn match_host(
-        &mut self,
-        parent: BlockKey,
-        ns: u64,
-        tokens: &[u32],
-        max_blocks: usize,
-    ) -> (Vec<u32>, BlockKey) {
-        let mut slots = Vec::new();
-        let mut key = parent;
-        if self.host.num_cached() == 0 {
-            return (slots, key);
+    /// Pins the L2 slots of a prefix hit.
+    pub fn pin_hit(&mut self, slots: &[u32]) {
+        for &s in slots {
+            debug_assert!(matches!(self.host.state(s), SlotState::Cached(_)));
+            self.host.pin(s);
         }
-        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
-            let k = chain_key(&key, ns, chunk);
-            match self.host.lookup(&k, chunk) {
-                Some(s) => {
-                    self.host.pin(s);
-                    slots.push(s);
-                }
-                None => break,
-            }
-            key = k;
-        }
-        (slots, key)
     }
 
-    /// Releases the pins `match_host` took.
+    /// Releases the pins `pin_hit` took.
     pub fn unpin_all(&mut self, slots: &[u32]) {
         for &s in slots {
             self.host.unpin(s);
@@ -312,55 +285,6 @@ impl Tiers {
         self.swaps.insert(kv_id, Swap { slots, num_tokens });
         self.stats.swap_outs += 1;
         true
-    }
-
-    /// Asks L3/L4 for `keys` (with their tokens) on behalf of sequence `kv_id`.
-    pub fn start_fetch(&mut self, kv_id: u64, keys: Vec<BlockKey>, tokens: Vec<u32>) {
-        if self.ops.fetch_offsets.is_empty() {
-            self.ops.fetch_offsets.push(0);
-        }
-        self.ops.fetch_seqs.push(kv_id);
-        self.ops.fetch_keys.extend_from_slice(&keys);
-        self.ops.fetch_tokens.extend_from_slice(&tokens);
-        self.ops
-            .fetch_offsets
-            .push(self.ops.fetch_keys.len() as u32);
-        self.fetching.insert(kv_id, Fetch { keys, tokens });
-        self.stats.fetch_requests += 1;
-    }
-
-    /// Whether sequence `kv_id` was already asked for (one fetch per sequence).
-    pub fn probed(&self, kv_id: u64) -> bool {
-        self.probed.contains(&kv_id)
-    }
-
-    /// The first `count` blocks of `kv_id`'s fetch arrived: L2 slots to write them into, in
-    /// order (`u32::MAX`: already cached, skip). Unknown or finished sequences get none.
-    pub fn fetched(&mut self, kv_id: u64, count: usize) -> Vec<u32> {
-        let Some(f) = self.fetching.remove(&kv_id) else {
-            return Vec::new();
-        };
-        self.probed.insert(kv_id);
-        let bs = self.block_size;
-        let mut out = Vec::new();
-        for (i, key) in f.keys.iter().enumerate().take(count) {
-            match self.host.insert(*key, &f.tokens[i * bs..(i + 1) * bs]) {
-                Some((s, true)) => out.push(s),
-                Some((_, false)) => out.push(u32::MAX),
-                None => break,
-            }
-        }
-        self.stats.fetched_blocks += out.iter().filter(|&&s| s != u32::MAX).count() as u64;
-        out
-    }
-
-    /// Sequence `kv_id` is gone (finished or aborted): its swap slots and fetch state go.
-    pub fn forget(&mut self, kv_id: u64) {
-        if let Some(sw) = self.swaps.remove(&kv_id) {
-            sw.slots.into_iter().for_each(|s| self.host.free_private(s));
-        }
-        self.fetching.remove(&kv_id);
-        self.probed.remove(&kv_id);
     }
 
     /// Hands the pending moves to `out` (cleared first) and releases their pins.
