@@ -11,6 +11,7 @@ from kvcore.eval_retention import (
     HEADER,
     ByteTokenizer,
     Streamer,
+    check_reindex,
     key_found,
     needle,
     needle_cases,
@@ -103,11 +104,12 @@ def test_needle_on_a_byte_tokenizer(lm):
 def test_eval_kv_retention_cli_on_tiny_llama(capsys):
     argv = ["--model", "tiny-llama", "--retention", "sink:4+window:28,h2o:budget=32",
             "--doc-len", "96", "--needle-contexts", "320", "--needle-depths", "50",
-            "--chunk", "16", "--seed", "3", "--backend", "torch"]  # fmt: skip
+            "--chunk", "16", "--seed", "3", "--backend", "torch",
+            "--positions", "reindexed"]  # fmt: skip
     assert eval_kv_main(argv) == 0
-    lines = dict(
-        line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line
-    )
+    out = capsys.readouterr().out
+    assert "positions: reindexed" in out
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
     for p in ("full", "sink_4_window_28", "h2o_budget_32"):  # full is added first
         for m in ("ppl", "ppl_delta_pct", "needle_acc", "peak_blocks_per_seq"):
             assert f"{m}_{p}" in lines
@@ -164,6 +166,11 @@ def test_reindexed_positions_rotate_kept_keys_by_the_released_span(lm):
     for got, want in zip(s.caches, ref, strict=True):
         torch.testing.assert_close(got[1, 0], want[1 + 7, 0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got[1, 1], want[1 + 7, 1])  # values never move
+
+
+def test_reindexing_refuses_a_model_without_one_plain_rope():
+    with pytest.raises(InvalidArgumentError, match="RoPE"):
+        check_reindex(torch.nn.Linear(2, 2))
 
 
 def test_reindexing_changes_nothing_without_a_gap_and_something_with_one(lm):
