@@ -52,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     a("--needle-depths", type=ca.positive_int_list, default=[10, 50, 90],
       help="retention: needle depths in percent")  # fmt: skip
+    a("--needle-format", choices=["passkey", "prose"], default="passkey",
+      help="retention: haystack of the needle (docs/retention.md)")  # fmt: skip
+    a("--positions", choices=["original", "reindexed"], default="original",
+      help="retention: keys keep their positions (what kvcore ships) or are re-indexed to their "
+      "rank among the kept tokens (StreamingLLM; eval only)")  # fmt: skip
+    a("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+      help="retention: model dtype (auto: the checkpoint's, fp32 for SmolLM2)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> None:
@@ -74,7 +81,7 @@ def run(args: argparse.Namespace) -> None:
     if any(not 0 < d < 100 for d in args.needle_depths):
         raise KvCoreError("--needle-depths are percentages strictly between 0 and 100")
     chunk = args.chunk or DEFAULT_CHUNK
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, dtype=args.dtype)
     if tok is None:  # the random test model: bytes as tokens (its numbers mean nothing)
         if model.config.vocab_size < 259:
             raise KvCoreError("eval-kv needs a model with a tokenizer (real text)")
@@ -87,24 +94,30 @@ def run(args: argparse.Namespace) -> None:
         raise KvCoreError("--doc-len must be 0 (skip perplexity) or at least 2 tokens")
     offset = random.Random(args.seed).randrange(0, len(ids) - args.doc_len + 1)
     doc = ids[offset : offset + args.doc_len]
+    reindex = args.positions == "reindexed"
+    if reindex:
+        er.check_reindex(model)
+    print(f"positions: {args.positions}")
     _emit([("doc_tokens", len(doc), "tokens"), ("doc_offset", offset, "tokens"),
            ("chunk", chunk, "tokens")])  # fmt: skip
     cases = []
     if args.needle_contexts:
-        cases = er.needle_cases(tok, ids, args.needle_contexts, args.needle_depths, args.seed)
+        cases = er.needle_cases(
+            tok, ids, args.needle_contexts, args.needle_depths, args.seed, args.needle_format
+        )
     rows: dict[str, dict] = {}
     base = None
     for p in policies:
         name, t0 = p.metric_name, time.perf_counter()
         row = rows[name] = {"ppl": float("nan"), "dppl": float("nan"), "peak": 0}
         if doc:
-            ppl, peak = er.stream_perplexity(lm, p, doc, chunk)
+            ppl, peak = er.stream_perplexity(lm, p, doc, chunk, reindex)
             base = ppl if p.kind == "full" and base is None else base
             row.update(ppl=ppl, peak=peak, dppl=100 * (ppl / base - 1))
             _emit([(f"ppl_{name}", ppl, ""), (f"ppl_delta_pct_{name}", row["dppl"], "%"),
                    (f"peak_blocks_per_seq_{name}", peak, "blocks")])  # fmt: skip
         if cases:
-            ok = er.needle(lm, tok, p, cases, chunk)
+            ok = er.needle(lm, tok, p, cases, chunk, reindex=reindex)
             row["needle"] = sum(ok) / len(ok)
             _emit([(f"needle_{name}_{c.length}_{c.depth}", float(o), "pass")
                    for c, o in zip(cases, ok, strict=True)])  # fmt: skip
