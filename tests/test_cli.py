@@ -101,7 +101,6 @@ BAD_ARGS = [
     ["eval-kv", "--formats", "kivi2", "--ppl-len", "128", "--chunk", "256"],
     ["bogus"],
     ["run", "--dtype", "fp8"],
-    ["eval-kv", "--retention", "window:64", "--dtype", "bfloat16"],  # not silently ignored
 ]
 
 

@@ -106,7 +106,6 @@ def eval_kv_main(argv: list[str] | None = None) -> int:
     """``kvcore eval-kv --formats LIST --seed S``: the quality table of quantized caches."""
     args = _eval_parser().parse_args(argv)
     if args.retention is not None:
-        ca.check(args.dtype == "auto", "kvcore eval-kv", "--retention runs the checkpoint dtype")
         with ca.report_errors("kvcore eval-kv") as status:
             retention_cli.run(args)
         return status[0]

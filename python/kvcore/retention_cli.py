@@ -57,8 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--positions", choices=["original", "reindexed"], default="original",
       help="retention: keys keep their positions (what kvcore ships) or are re-indexed to their "
       "rank among the kept tokens (StreamingLLM; eval only)")  # fmt: skip
-    a("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-      help="retention: model dtype (auto: the checkpoint's, fp32 for SmolLM2)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> None:
