@@ -211,9 +211,15 @@ impl RadixCache {
         if nd.l2[pos] != NO_SLOT {
             return;
         }
+        self.drop_entry(node, pos, also_dropped);
+    }
+
+    /// Entry `pos` of `node` holds KV on no tier any more: a leaf's last entry is trimmed in
+    /// place (the usual case, no allocation), any other is cut off with everything below it.
+    pub(super) fn drop_entry(&mut self, node: u32, pos: usize, dropped: &mut Vec<u32>) {
         let bs = self.block_size;
+        let nd = &mut self.nodes[node as usize];
         if nd.children.is_empty() && pos + 1 == nd.blocks.len() {
-            // The usual case: trim the last entry of a leaf, no allocation.
             nd.blocks.pop();
             nd.l2.pop();
             nd.off_l1 -= 1;
@@ -223,7 +229,7 @@ impl RadixCache {
             }
             return;
         }
-        self.cut(node, pos, also_dropped);
+        self.cut(node, pos, dropped);
     }
 
     /// Removes entries `pos..` of `node` and every node below it (their blocks go to

@@ -180,23 +180,12 @@ impl RadixCache {
         };
         self.slot_node[s as usize] = NO_NODE;
         self.num_l2 -= 1;
-        let bs = self.block_size;
         let nd = &mut self.nodes[node as usize];
         nd.l2[pos] = NO_SLOT;
         if nd.blocks[pos] != NO_BLOCK {
             return;
         }
-        if nd.children.is_empty() && pos + 1 == nd.blocks.len() {
-            nd.blocks.pop();
-            nd.l2.pop();
-            nd.off_l1 -= 1;
-            nd.key.truncate(pos * bs);
-            if pos == 0 {
-                self.remove_empty(node);
-            }
-            return;
-        }
-        self.cut(node, pos, dropped);
+        self.drop_entry(node, pos, dropped);
     }
 
     /// The entry naming slot `s`.
