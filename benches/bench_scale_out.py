@@ -108,7 +108,11 @@ def run_layout(name, replicas, router, blocks, stream, args, port, prefill=0, ex
     argv = ["--model", "tiny-llama", "--num-blocks", str(blocks), "--threads", "1"]
     argv += ["--max-model-len", str(args.system_len + args.user_len[1] + args.max_tokens + 16)]
     argv += ["--seed", str(args.seed), *extra]
-    kwargs = {"threshold": args.threshold} if router == "prefix" else None
+    kwargs = (
+        {"threshold": args.threshold, "rel_threshold": args.rel_threshold}
+        if router == "prefix"
+        else None
+    )
     if router == "ray-prefix" and args.ray_imbalanced_threshold is not None:
         kwargs = {"imbalanced_threshold": args.ray_imbalanced_threshold}
     app = build_app(
@@ -145,11 +149,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--rate", type=float, default=3.0, help="arrivals per second")
     ap.add_argument("--systems", type=int, default=32)
-    ap.add_argument("--system-len", type=int, default=192)
+    ap.add_argument("--system-len", type=int, default=512)
     ap.add_argument("--user-len", type=int, nargs=2, default=(16, 48))
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--num-blocks", type=int, default=224, help="KV blocks per replica")
+    # 600 blocks hold a replica's share of the 32 system prompts (16 x 32 blocks) and its running
+    # requests, not all 32: spreading every prompt over every replica (p2c) thrashes the cache.
+    ap.add_argument("--num-blocks", type=int, default=600, help="KV blocks per replica")
     ap.add_argument("--threshold", type=int, default=2)
+    ap.add_argument("--rel-threshold", type=float, default=1.5)
     ap.add_argument(
         "--ray-imbalanced-threshold",
         type=float,
@@ -191,7 +198,8 @@ def main() -> None:
     layouts.append(("single", 1, "ray-p2c", blocks * n))
     print(
         f"# {args.requests} requests at {args.rate}/s, {args.systems} system prompts of "
-        f"{args.system_len} tokens, {n} replicas x {blocks} KV blocks, seed {args.seed}"
+        f"{args.system_len} tokens, {n} replicas x {blocks} KV blocks, seed {args.seed}, "
+        f"prefix router threshold {args.threshold} / x{args.rel_threshold:g}"
     )
     res = {}
     for name, replicas, router, nb in layouts:

@@ -148,3 +148,23 @@ def test_merge_metrics_labels_every_series_with_its_replica():
     counts = [s for s in fams["kvcore:time_to_first_token_seconds"].samples if "_count" in s.name]
     assert sorted((s.labels["replica"], s.value) for s in counts) == [("r0", 1.0), ("r1", 1.0)]
     assert merged.count("# TYPE kvcore:prefix_cache_hits_total counter") == 1
+
+
+def test_prefix_router_keeps_deep_queues_on_their_prefix():
+    # Spilling needs both the absolute spread and the ratio (SGLang's abs and rel thresholds).
+    r = PrefixRouter(threshold=2, rel_threshold=1.5, seed=0)
+    r.routed("a", prompt(0, 0))
+    assert r.choose(prompt(0, 1), {"a": 10, "b": 7}) == "a"  # spread 3 > 2, but 10 <= 10.5
+    assert r.choose(prompt(0, 1), {"a": 11, "b": 7}) == "b"  # 11 > 10.5 as well
+    assert r.choose(prompt(0, 1), {"a": 4, "b": 0}) == "b"  # an idle replica: always spill
+    assert (r.num_affinity, r.num_balanced) == (1, 2)
+    # rel_threshold=1 is the absolute test alone.
+    plain = PrefixRouter(threshold=2, rel_threshold=1.0, seed=0)
+    plain.routed("a", prompt(0, 0))
+    assert plain.choose(prompt(0, 1), {"a": 10, "b": 7}) == "b"
+
+
+@pytest.mark.parametrize("bad", [0.5, 0.0, -1.0, float("nan")])
+def test_prefix_router_refuses_a_bad_rel_threshold(bad):
+    with pytest.raises(InvalidArgumentError, match="rel_threshold"):
+        PrefixRouter(rel_threshold=bad)

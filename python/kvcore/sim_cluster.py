@@ -125,7 +125,9 @@ def simulate(args: argparse.Namespace, router_name: str, reqs: list[Req]) -> dic
     """Serve the stream with the named router; the figures of the run."""
     kwargs: dict = {}
     if router_name == "prefix":
-        kwargs = dict(threshold=args.threshold, tree_blocks=args.kv_blocks)
+        kwargs = dict(
+            threshold=args.threshold, rel_threshold=args.rel_threshold, tree_blocks=args.kv_blocks
+        )
         kwargs["block_size"] = args.block_size
     elif router_name == "ray-prefix" and args.ray_imbalanced_threshold is not None:
         kwargs = {"imbalanced_threshold": args.ray_imbalanced_threshold}
@@ -205,6 +207,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-ms", type=float, default=0.05, help="per uncached prompt token")
     ap.add_argument("--decode-ms", type=float, default=0.2, help="per running request per step")
     ap.add_argument("--threshold", type=int, default=2, help="prefix router: queue slack")
+    ap.add_argument(
+        "--rel-threshold", type=float, default=1.5, help="prefix router: queue ratio slack"
+    )
     ap.add_argument(
         "--ray-imbalanced-threshold",
         type=float,

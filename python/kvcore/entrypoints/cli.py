@@ -49,6 +49,12 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--router-threshold", type=int, default=2, help="prefix router queue slack")
     g.add_argument(
+        "--router-rel-threshold",
+        type=float,
+        default=1.5,
+        help="prefix router: spill only past this queue ratio too",
+    )
+    g.add_argument(
         "--prefill-replicas",
         type=int,
         default=0,
@@ -99,7 +105,11 @@ def _serve_replicas(argv: list[str], args: argparse.Namespace) -> int:
         raise SystemExit(f"{need} ({e})") from None
     from ray import serve
 
-    kwargs = {"threshold": args.router_threshold} if args.router == "prefix" else {}
+    kwargs = (
+        {"threshold": args.router_threshold, "rel_threshold": args.router_rel_threshold}
+        if args.router == "prefix"
+        else {}
+    )
     stop = threading.Event()
 
     def on_signal(*_: object) -> None:

@@ -45,7 +45,7 @@ def _token_ids(pending: PendingRequest | None) -> list[int]:
 class KvcoreRequestRouter(FIFOMixin, RequestRouter):
     """Ray Serve request router driven by a kvcore policy (``request_router_kwargs``:
     ``policy`` = prefix | p2c | random, ``seed``, and PrefixRouter's ``threshold``,
-    ``tree_blocks``, ``block_size``, ``min_match``)."""
+    ``rel_threshold``, ``tree_blocks``, ``block_size``, ``min_match``)."""
 
     def initialize_state(self, policy: str = "prefix", seed: int = 0, **kwargs: Any) -> None:
         self.policy = make_router(policy, seed=seed, **kwargs)

@@ -9,8 +9,11 @@ Prefix routing keeps an approximate radix tree per replica: kvcore's own Rust pr
 (``KvCacheManager`` in radix mode) fed with the token ids routed to that replica. Its block pool
 bounds the tree, and when it is full the least recently used leaves go first, so old prefixes
 age out as they do in the replica's real cache. A request goes to the replica with the longest
-match, unless that replica's queue exceeds the least loaded one's by more than ``threshold``;
-then (and when nothing matches) to the least loaded one. (Idea: SGLang's cache-aware router.)
+match, unless that replica's queue exceeds the least loaded one's by more than ``threshold``
+requests and by more than ``rel_threshold`` times; then (and when nothing matches) to the least
+loaded one. The relative test keeps deep queues (10 against 7) on their prefixes: spilling there
+copies a prompt's prefix to a second replica for little balance. (Idea: SGLang's cache-aware
+router, its balance_abs_threshold and balance_rel_threshold.)
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ class PowerOfTwoRouter(RandomRouter):
 
 class PrefixRouter:
     """Longest routed-prefix match unless its queue is ``threshold`` longer than the least
-    loaded replica's; otherwise the least loaded. ``min_match`` tokens count as a match."""
+    loaded replica's and over ``rel_threshold`` times as long; otherwise the least loaded.
+    ``min_match`` tokens count as a match."""
 
     name = "prefix"
 
@@ -116,6 +120,7 @@ class PrefixRouter:
         self,
         *,
         threshold: int = 4,
+        rel_threshold: float = 1.5,
         tree_blocks: int = 4096,
         block_size: int = 16,
         min_match: int = 16,
@@ -125,7 +130,9 @@ class PrefixRouter:
             raise InvalidArgumentError(
                 "threshold >= 0, tree_blocks >= 3, block_size >= 1, min_match >= 1 required"
             )
-        self.threshold = threshold
+        if not rel_threshold >= 1.0:  # also refuses nan
+            raise InvalidArgumentError(f"rel_threshold must be >= 1, got {rel_threshold!r}")
+        self.threshold, self.rel_threshold = threshold, float(rel_threshold)
         self._tree_blocks, self._block_size = tree_blocks, block_size
         self.min_match = min_match
         self.trees: dict[ReplicaId, ReplicaTree] = {}
@@ -153,7 +160,8 @@ class PrefixRouter:
             return least
         # Among the longest matches, the least loaded.
         best = min((r for r in loads if match[r] == best_len), key=lambda r: loads[r])
-        if loads[best] - loads[least] > self.threshold:
+        spread = loads[best] - loads[least]
+        if spread > self.threshold and loads[best] > self.rel_threshold * loads[least]:
             self.num_balanced += 1
             return least
         self.num_affinity += 1
