@@ -9,15 +9,18 @@
 #   PEER_DTYPES   transformers serve runs: "auto" (its default: the checkpoint's fp32, label
 #                 transformers-serve) and/or "bfloat16" (--dtype bfloat16, label
 #                 transformers-serve-bf16); default "auto bfloat16"
-#   SEED=0 RATES="0.5 2" N=24 MAXTOK=32 KVCORE_FLAGS="--dtype bfloat16" KVCORE_LABEL=kvcore-bf16 \
+#   SEED=0 KVCORE_FLAGS="--dtype bfloat16" KVCORE_LABEL=kvcore-bf16 PEER_DTYPES=bfloat16 \
 #     OUT=/tmp/serve_bench bash benches/serve_vs_transformers.sh
+# (defaults RATES="2 3 4 6 8 12" N=48: past both servers' knees, so that the peak goodputs and
+# the peer's knee are measured, not capped by the highest rate run; 2026-11-30 23:2x UTC)
 #   python benches/score_serve.py /tmp/serve_bench --kvcore kvcore-bf16 --peer transformers-serve-bf16
 # (docs/serving.md: window A ran RATES="0.25 0.5 1 2" SEED=0 at SLO 5000/500; windows B and C
-# ran RATES="0.125 0.5 2" with SEED=1 and SEED=0/2, the SLO below, fp32 on both sides.)
+# ran RATES="0.125 0.5 2" with SEED=1 and SEED=0/2, the SLO below, fp32 on both sides; the
+# bf16 runs of 21:03 UTC RATES="0.5 2" N=24.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/python:$PWD/kernels OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1
-RATES=${RATES:-"0.125 0.5 2"}; N=${N:-24}; MAXTOK=${MAXTOK:-32}; SEED=${SEED:-0}
+RATES=${RATES:-"2 3 4 6 8 12"}; N=${N:-48}; MAXTOK=${MAXTOK:-32}; SEED=${SEED:-0}
 SLO=${SLO:-"--slo-ttft-ms 1000 --slo-itl-ms 300"}; OUT=${OUT:-/tmp/serve_bench}; mkdir -p "$OUT"
 # transformers serve needs `architectures` in config.json: a sibling view of kvcore's cached copy.
 CKPT=$(python -c "from kvcore.models import smollm2_checkpoint; print(smollm2_checkpoint())")
