@@ -7,9 +7,11 @@ system prompts of 500-1,000 tokens; each turn adds 100-300 user tokens to the hi
 model answers ``--output`` (8) greedy tokens that join the history. Turns are served in waves
 (turn t of every conversation at once, in a seeded shuffled order), so the conversations'
 histories compete for the pool; ``--arrival closed`` instead keeps ``--concurrency`` (48)
-conversations in flight, each submitting its next turn when its answer is done
-(benches/tiers_drive.py). ``--scale`` multiplies every length (1.0 = the issue's sizes; CPU runs
-use a smaller scale, and say so in the ``scale`` line).
+conversations in flight, each submitting its next turn when its answer is done, after
+``--think-ms`` of user think time (the mean of seeded exponential draws, the same for every
+configuration; default 0, a saturated loop) (benches/tiers_drive.py). ``--scale`` multiplies
+every length (1.0 = the issue's sizes; CPU runs use a smaller scale, and say so in the ``scale``
+line).
 
 Timing (``--timing``): ``paired`` (default) runs the pool alone and the tiered engine in one
 process, one step each in turn, and times each request on its own engine's steps, so that both
@@ -27,7 +29,8 @@ TTFT p50 (and mean) of the pool alone and with L2, their ratio (``ttft_speedup``
 its prompt tokens), ``load_bw_fraction`` (L2->L1 load bandwidth / a plain torch ``copy_`` of
 a mean load's bytes from the run's own L2 tensors into its pool tensors, after the run), and
 ``outputs_equal`` (1 when every configuration's greedy tokens are identical). ``--configs``
-picks a subset (the unbounded pool, the pool alone and L2 always run).
+picks a subset (the pool alone and L2 always run; without the unbounded pool its lines print
+nan and greedy outputs are compared against the pool alone's).
 
     python benches/bench_tiers.py --seed 0 [--model tiny|smollm2] [--remote redis://...]
 """
@@ -51,7 +54,7 @@ from tiers_drive import ChatDriver  # noqa: E402
 from tiers_drive import run as run_drivers  # noqa: E402
 
 MODELS = {"tiny": "tiny-llama", "smollm2": "smollm2-135m"}
-# unbounded, pool_only and tiered always run (the targets compare them).
+# pool_only and tiered always run (the targets compare them); unbounded unless left out.
 ALL_CONFIGS = ["unbounded", "pool_only", "tiered", "l2_l3", "l4_first"]
 
 
@@ -139,21 +142,24 @@ def hit_rate(llm) -> float:
     return st.prefix_hit_tokens / max(1, st.prefix_query_tokens)
 
 
-def reference_copy_bw(tiers, blocks: int, repeats: int = 20) -> tuple[float, float]:
+def reference_copy_bw(tiers, blocks: int, repeats: int = 21) -> tuple[float, float]:
     """Bytes/s of two references moving ``blocks`` blocks from the run's L2 tensors into its
     pool tensors, every layer (the same bytes a mean load moves; the run is over, so the pool
     may be overwritten): a plain torch ``copy_`` of contiguous row ranges (the target's
     reference), and the torch gather + scatter (``index_select`` + ``index_copy_``) of random
-    rows that loads used before ``copy_block_rows``. Source ranges rotate over L2."""
+    rows that loads used before ``copy_block_rows``. Source ranges rotate over L2. Each
+    repeat is timed on its own and the median kept, so that one slow moment on a shared
+    machine does not swing the reference (one timing of all repeats swung it tenfold)."""
     pool_rows, host_rows = tiers.layers[0].shape[0], tiers.host[0].shape[0]
     k = max(1, min(blocks, pool_rows - 1, host_rows))
     rng = np.random.default_rng(0)
-    nbytes = k * tiers.block_bytes * repeats
+    nbytes = k * tiers.block_bytes
     out = []
     for kind in ("plain", "gather"):
-        start = time.perf_counter()
+        rates = []
         for r in range(repeats):
             a = (r * k) % max(1, host_rows - k + 1)
+            start = time.perf_counter()
             if kind == "plain":
                 for rows, host in zip(tiers.layers, tiers.host, strict=True):
                     rows[1 : 1 + k].copy_(host[a : a + k])
@@ -162,7 +168,8 @@ def reference_copy_bw(tiers, blocks: int, repeats: int = 20) -> tuple[float, flo
                 dst = torch.as_tensor(rng.choice(np.arange(1, pool_rows), k, replace=False))
                 for rows, host in zip(tiers.layers, tiers.host, strict=True):
                     rows.index_copy_(0, dst, host.index_select(0, src))
-        out.append(nbytes / (time.perf_counter() - start))
+            rates.append(nbytes / (time.perf_counter() - start))
+        out.append(float(np.median(rates)))
     return out[0], out[1]
 
 
@@ -213,6 +220,13 @@ def parse(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--concurrency", type=int, default=48, help="closed loop: conversations")
     ap.add_argument(
+        "--think-ms",
+        type=float,
+        default=0.0,
+        help="closed loop: mean user think time between a turn's answer and the next turn "
+        "(seeded exponential draws, on each engine's own clock; 0: none, a saturated loop)",
+    )
+    ap.add_argument(
         "--timing",
         choices=["paired", "sequential"],
         default="paired",
@@ -256,7 +270,7 @@ def main() -> None:
             "host_kv_bytes": ws_bytes,
             "remote_url": url,
         }
-    keep = set(args.configs) | {"unbounded", "pool_only", "tiered"}
+    keep = set(args.configs) | {"pool_only", "tiered"}
     configs = {k: v for k, v in configs.items() if k in keep}
     results = {}
 
@@ -273,7 +287,8 @@ def main() -> None:
                 print(f"{name}_{k}: {v} tok" if "tokens" in k else f"{name}_{k}: {v}")
 
     paired = ("pool_only", "tiered") if args.timing == "paired" else ()
-    print(f"timing: {args.timing}  arrival: {args.arrival}")
+    think = f"  think_ms: {args.think_ms:g}" if args.arrival == "closed" else ""
+    print(f"timing: {args.timing}  arrival: {args.arrival}{think}")
     try:
         for name, kw in configs.items():
             if name in paired:
@@ -285,7 +300,7 @@ def main() -> None:
             both = serve_paired(args, systems, convs, {k: configs[k] for k in paired})
             for name, (out, ttft, _, llm, clock) in both.items():
                 report(name, out, ttft, llm, clock, "engine_s")
-        ref = results["unbounded"][0]
+        ref = results["unbounded" if "unbounded" in results else "pool_only"][0]
         equal = all(r[0] == ref for r in results.values())
         second = None
         if url and "l4_first" in configs:
@@ -314,7 +329,8 @@ def main() -> None:
         if server is not None:
             server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    unb, pool, tier = (hit_rate(results[k][2]) for k in ("unbounded", "pool_only", "tiered"))
+    pool, tier = (hit_rate(results[k][2]) for k in ("pool_only", "tiered"))
+    unb = hit_rate(results["unbounded"][2]) if "unbounded" in results else float("nan")
     print(f"hit_rate_unbounded: {unb:.4f} frac")
     print(f"hit_rate_pool_only: {pool:.4f} frac")
     print(f"hit_rate_tiered: {tier:.4f} frac")

@@ -6,8 +6,11 @@ Arrival models:
 - ``waves``: turn t of every conversation is submitted at once (in a seeded shuffled order);
   the next wave starts when the whole wave is answered.
 - ``closed``: ``concurrency`` conversations in flight (seeded order); each submits its next turn
-  the step its previous answer finishes (no think time); a conversation that ends makes room
-  for the next one.
+  when its previous answer finishes, after a think time (``think_ms``: the mean of a seeded
+  exponential draw per turn, the same draws for every engine; 0 = at once, a saturated loop);
+  a conversation that ends makes room for the next one. With think time, an engine that has
+  nothing in flight jumps its clock to the next submission (idle time is not step time, and
+  no TTFT spans it).
 
 Clocks: each engine has its own clock that advances by the wall time of its own steps only
 (schedule, tier moves, forward, sampling: ``engine.step()``). A request's TTFT is that clock
@@ -19,6 +22,7 @@ lands on both (sequential runs minutes apart met load averages from 1.5 to 25: d
 
 from __future__ import annotations
 
+import heapq
 import time
 
 import numpy as np
@@ -45,6 +49,12 @@ class ChatDriver:
         self.prompt_tokens = 0
         self.wave = 0
         self.todo: list[int] = []
+        # think time before turn t of conversation c (t >= 1), drawn once per workload so that
+        # paired engines see the same draws whatever order their answers finish in
+        mean = getattr(args, "think_ms", 0.0) / 1e3
+        think = np.random.default_rng(args.seed + 2).exponential(1.0, (len(convs), args.turns))
+        self.think = think * mean
+        self.pending: list[tuple[float, int]] = []  # (clock due, conversation), a heap
         if self.arrival == "waves":
             self._next_wave()
         else:
@@ -52,11 +62,11 @@ class ChatDriver:
             for _ in range(min(self.concurrency, len(self.todo))):
                 self._submit(self.todo.pop(0))
 
-    def _submit(self, c: int) -> None:
+    def _submit(self, c: int, arrived: float | None = None) -> None:
         self.history[c] += self.convs[c][self.turn[c]]
         prompt = list(self.history[c])
         (rid,) = self.eng.add_requests([prompt], self.params)
-        self.inflight[rid] = (c, prompt, self.clock)
+        self.inflight[rid] = (c, prompt, self.clock if arrived is None else arrived)
 
     def _next_wave(self) -> None:
         while self.wave < self.turns:
@@ -73,10 +83,18 @@ class ChatDriver:
 
     @property
     def done(self) -> bool:
-        return not self.inflight
+        return not self.inflight and not self.pending
+
+    def _release_due(self) -> None:
+        if self.pending and not self.inflight:  # idle: the next user is still thinking
+            self.clock = max(self.clock, self.pending[0][0])
+        while self.pending and self.pending[0][0] <= self.clock:
+            due, c = heapq.heappop(self.pending)
+            self._submit(c, arrived=due)
 
     def step(self) -> None:
         """One engine step; advances the clock, records first tokens and answers."""
+        self._release_due()
         start = time.perf_counter()
         outs = self.eng.step()
         self.clock += time.perf_counter() - start
@@ -98,7 +116,10 @@ class ChatDriver:
             self.turn[c] += 1
             if self.arrival == "closed":
                 if self.turn[c] < self.turns:
-                    self._submit(c)
+                    if self.think[c, self.turn[c]] > 0:
+                        heapq.heappush(self.pending, (self.clock + self.think[c, self.turn[c]], c))
+                    else:
+                        self._submit(c)
                 elif self.todo:
                     self._submit(self.todo.pop(0))
         if self.arrival == "waves" and not self.inflight:
