@@ -103,7 +103,8 @@ def serve_paired(args, systems, convs, configs: dict, hook=None) -> dict:
         llm, params = make_llm(args, kw, None if hook is None else lambda x, n=name: hook(n, x))
         drivers[name] = ChatDriver(llm, params, args, systems, convs)
     run_drivers(list(drivers.values()))
-    return {k: (d.outputs, d.ttft, d.prompt_tokens, d.llm, d.clock) for k, d in drivers.items()}
+    steps = {k: d.clock - d.idle for k, d in drivers.items()}  # think time left out
+    return {k: (d.outputs, d.ttft, d.prompt_tokens, d.llm, steps[k]) for k, d in drivers.items()}
 
 
 def sizes(args, systems, convs) -> dict:

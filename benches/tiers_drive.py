@@ -40,7 +40,8 @@ class ChatDriver:
         self.order = np.random.default_rng(args.seed + 1)
         self.history = [list(systems[c % len(systems)]) for c in range(len(convs))]
         self.turn = [0] * len(convs)
-        self.clock = 0.0  # seconds of this engine's own steps
+        self.clock = 0.0  # seconds of this engine's own steps (plus idle jumps, think time)
+        self.idle = 0.0  # seconds the clock jumped while every user was thinking
         self.inflight: dict[str, tuple[int, list[int], float]] = {}
         self.first: dict[str, float] = {}  # request id -> virtual TTFT
         self.outputs: dict[tuple[int, int], list[int]] = {}
@@ -87,7 +88,9 @@ class ChatDriver:
 
     def _release_due(self) -> None:
         if self.pending and not self.inflight:  # idle: the next user is still thinking
-            self.clock = max(self.clock, self.pending[0][0])
+            jump = max(0.0, self.pending[0][0] - self.clock)
+            self.clock += jump
+            self.idle += jump
         while self.pending and self.pending[0][0] <= self.clock:
             due, c = heapq.heappop(self.pending)
             self._submit(c, arrived=due)

@@ -10,7 +10,7 @@ import os
 def serve_parser() -> argparse.ArgumentParser:
     """Flags of ``kvcore serve``: every engine flag of ``kvcore run`` plus the server's."""
     from kvcore.cli import _engine_args
-    from kvcore.cli_args import Parser
+    from kvcore.cli_args import Parser, float_in
 
     p = Parser(  # one-line errors, exit 2 (kvcore.cli_args)
         prog="kvcore serve", description="OpenAI-compatible HTTP server over the kvcore engine."
@@ -50,7 +50,7 @@ def serve_parser() -> argparse.ArgumentParser:
     g.add_argument("--router-threshold", type=int, default=2, help="prefix router queue slack")
     g.add_argument(
         "--router-rel-threshold",
-        type=float,
+        type=float_in(1.0),
         default=1.5,
         help="prefix router: spill only past this queue ratio too",
     )
