@@ -6,6 +6,8 @@
 # ratio, p95 TTFT ratio at the peer's knee, server overhead), once per peer:
 #   KVCORE_FLAGS  extra `kvcore serve` flags, e.g. "--dtype bfloat16" (default: none)
 #   KVCORE_LABEL  kvcore's label (default kvcore; e.g. kvcore-bf16 with --dtype bfloat16)
+#   BENCH_FLAGS   extra `kvcore bench serve` flags, e.g. "--max-concurrency 1" (with RATES=inf:
+#                 one request at a time, no queueing: each server's own TTFT floor)
 #   PEER_DTYPES   transformers serve runs: "auto" (its default: the checkpoint's fp32, label
 #                 transformers-serve) and/or "bfloat16" (--dtype bfloat16, label
 #                 transformers-serve-bf16); default "auto bfloat16"
@@ -36,7 +38,7 @@ wait_up() { for _ in $(seq 300); do curl -sf "http://127.0.0.1:$1/health" >/dev/
 bench() {  # label port
   nice -n 5 python -m kvcore.entrypoints bench serve --base-url "http://127.0.0.1:$2" --dataset chat \
     --num-prompts "$N" --max-tokens "$MAXTOK" --request-rate $RATES --seed "$SEED" $SLO \
-    --cost-per-hour 0.10 --timeout 400 --label "$1" --save-json "$OUT/$1-seed$SEED.json" \
+    --cost-per-hour 0.10 --timeout 400 --label "$1" --save-json "$OUT/$1-seed$SEED.json" ${BENCH_FLAGS:-} \
     | tee "$OUT/$1-seed$SEED.txt" || true
 }
 # PEER=0 / KVCORE=0 skip a side (e.g. to rerun the peer alone after the shared machine's OOM

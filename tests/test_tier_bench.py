@@ -33,14 +33,32 @@ def test_paired_equals_sequential(workload):
     alone = {k: b.serve(args, systems, convs, kw) for k, kw in cfg.items()}
     both = b.serve_paired(args, systems, convs, cfg)
     n = len(convs) * args.turns
-    for name, (out, ttft, prompt_tokens, llm, clock) in both.items():
+    for name, (out, ttft, prompt_tokens, llm, clock, ref) in both.items():
         assert out == alone[name][0]  # interleaving two engines changes no token
         assert prompt_tokens == alone[name][2]
         assert len(ttft) == n and len(alone[name][1]) == n
         # Own-step clock: every TTFT is positive and within the engine's total step time.
         assert all(0 < t <= clock for t in ttft)
         assert llm.engine.all_blocks_free()
+        assert (ref is None) == (llm.engine.tiers is None)
     assert both["pool_only"][0] == both["tiered"][0]
+
+
+def test_paired_load_reference_copies_what_the_loads_moved():
+    """The load bandwidth's reference runs beside every L2 load: the same bytes, and outside
+    the loads' own timing."""
+    args = b.parse(
+        ["--conversations", "8", "--turns", "3", "--output", "3", "--scale", "0.04"]
+        + ["--block-size", "4"]
+    )
+    systems, convs = b.make_workload(args)
+    sz = b.sizes(args, systems, convs)
+    both = b.serve_paired(args, systems, convs, {"tiered": sz["configs"]["tiered"]})
+    _, _, _, llm, _, ref = both["tiered"]
+    tiers = llm.engine.tiers
+    assert tiers.bytes_loaded > 0 and ref.bytes == tiers.bytes_loaded
+    assert ref.seconds > 0 and tiers.load_seconds > 0
+    assert llm.engine.all_blocks_free()
 
 
 def test_closed_loop_serves_every_turn_in_order(workload):

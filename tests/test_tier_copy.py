@@ -3,12 +3,14 @@ moves in every layer and nothing else changes; bad input is a typed error with n
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
 from kvcore._kvcore import copy_block_rows
 from kvcore.errors import InvalidArgumentError
-from kvcore.tiers import BlockCodec, TierManager
+from kvcore.tiers import BlockCodec, FetchJob, TierManager
 from kvcore.tiers.stores import DiskStore
 
 
@@ -105,5 +107,70 @@ def test_fetches_of_one_step_read_each_shared_block_once(tmp_path):
         assert [len(got[i]) for i in (7, 8, 9)] == [3, 3, 2]
         for j, (payload, tier) in enumerate(got[8]):
             assert tier == 3 and payload == rows[j].tobytes()
+    finally:
+        tm.close()
+
+
+class SlowDisk(DiskStore):
+    """A disk tier whose every read takes ``delay`` seconds (a slow or stalled device)."""
+
+    def __init__(self, *a, delay: float = 0.0, **kw):
+        super().__init__(*a, **kw)
+        self.delay = delay
+
+    def get(self, hexkey: str) -> bytes | None:
+        time.sleep(self.delay)
+        return super().get(hexkey)
+
+
+def _slow_fetch_setup(tmp_path, delay: float):
+    caches = [torch.zeros(6, 2, 4, 1, 2) for _ in range(2)]
+    codec = BlockCodec("fp", 2, "fp32", 4)
+    disk = SlowDisk(tmp_path, 1 << 20, delay=delay)
+    tm = TierManager(caches, 8, codec, disk=disk, io_threads=1, fetch_timeout_s=0.3)
+    rng = np.random.default_rng(1)
+    keys = rng.integers(0, 256, (4, 32), dtype=np.uint8)
+    toks = rng.integers(0, 500, (4, 4)).astype(np.int32)
+    rows = rng.integers(0, 256, (4, tm.block_bytes), dtype=np.uint8)
+    tm._publish(keys, toks, rows)
+    # four sequences, one block each, no block shared: four reads in a row
+    return tm, [(10 + i, keys[i : i + 1], toks[i : i + 1]) for i in range(4)], rows
+
+
+def test_a_large_fetch_that_keeps_moving_is_waited_for_sequence_by_sequence(tmp_path):
+    """Each read takes 0.2 s, the timeout is 0.3 s, the batch 0.8 s: every sequence is a hit
+    (the timeout runs from the job's last progress, not from submission), and each one is
+    handed over as soon as it is read, before the batch ends."""
+    tm, wants, rows = _slow_fetch_setup(tmp_path, delay=0.2)
+    try:
+        job = FetchJob(time.perf_counter())
+        tm.io.submit(tm._run_fetch, job, wants)
+        seen_early = False
+        while not job.finished:
+            now = time.perf_counter()
+            states = [tm.fetched(job, kv, now) for kv, _, _ in wants]
+            assert all(s is None or len(s) == 1 for s in states)  # never a miss
+            seen_early |= states[0] is not None and states[-1] is None
+            time.sleep(0.01)
+        assert seen_early
+        for i, (kv, _, _) in enumerate(wants):
+            ((payload, tier),) = tm.fetched(job, kv, time.perf_counter())
+            assert tier == 3 and payload == rows[i].tobytes()
+    finally:
+        tm.close()
+
+
+def test_a_stalled_fetch_turns_into_misses(tmp_path):
+    """A read that hangs past the timeout: the sequences not yet read are misses ([]), not
+    errors, while the job is still running."""
+    tm, wants, _ = _slow_fetch_setup(tmp_path, delay=0.6)
+    try:
+        job = FetchJob(time.perf_counter())
+        tm.io.submit(tm._run_fetch, job, wants[:2])
+        time.sleep(0.05)
+        assert tm.fetched(job, wants[0][0], time.perf_counter()) is None  # still waiting
+        time.sleep(0.4)
+        assert not job.finished
+        assert tm.fetched(job, wants[0][0], time.perf_counter()) == []
     finally:
         tm.close()

@@ -18,6 +18,7 @@ uint8 tensor per layer (pinned when the cache is on CUDA).
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -32,7 +33,16 @@ from kvcore.errors import InvalidArgumentError
 from kvcore.tiers.codec import BlockCodec
 from kvcore.tiers.stores import DiskStore, RedisStore
 
-__all__ = ["BlockCodec", "DiskStore", "RedisStore", "TierManager", "model_fingerprint"]
+__all__ = [
+    "BlockCodec",
+    "DiskStore",
+    "FetchJob",
+    "RedisStore",
+    "TierManager",
+    "model_fingerprint",
+]
+
+log = logging.getLogger("kvcore")
 
 
 def model_fingerprint(model: Any) -> str:
@@ -70,6 +80,18 @@ def percentile_ms(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1e3) if values else float("nan")
 
 
+class FetchJob:
+    """One step's fetches from L3/L4, read on an I/O thread sequence by sequence. ``results``
+    (kv id -> blocks) fills as each sequence is read; ``progress`` is when the job was
+    submitted or last finished a sequence, so that a large batch that keeps moving is waited
+    for and only one that stalls for ``fetch_timeout_s`` turns into misses."""
+
+    def __init__(self, now: float):
+        self.results: dict[int, list[tuple[bytes, int]]] = {}
+        self.progress = now
+        self.finished = False
+
+
 class TierManager:
     """Moves KV bytes between the pool, host memory, disk and Redis as the StepPlan says."""
 
@@ -101,10 +123,14 @@ class TierManager:
                 [r.view(torch.uint8).numpy() for r in self.layers],
                 [h.view(torch.uint8).numpy() for h in self.host],
             )
+        # One thread: loads and offloads run right after a forward, while torch's OpenMP
+        # workers still spin; threads of our own then share the cores with them (measured in
+        # the engine: 2.7 GB/s with 2 threads, 7.8 GB/s with 1; docs/tiers.md, Profile).
+        self.copy_threads = 1
         self.codec, self.disk, self.remote = codec, disk, remote
         self.fetch_timeout_s = fetch_timeout_s
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcore-tier")
-        self._fetches: dict[int, tuple[Future, float]] = {}  # kv id -> (its step's job, start)
+        self._fetches: dict[int, tuple[FetchJob, float]] = {}  # kv id -> (its step's job, start)
         self.fetch_reads = 0  # distinct keys read from L3/L4 (fetches share reads per step)
         self._publishing: list[Future] = []  # write-throughs not yet known to be done
         self.bytes_offloaded = self.bytes_loaded = self.bytes_published = 0
@@ -155,9 +181,10 @@ class TierManager:
                 )
                 for i, kv_id in enumerate(io.fetch_seqs.tolist())
             ]
-            fut = self.io.submit(self._fetch_batch, wants)
+            job = FetchJob(time.perf_counter())
+            self.io.submit(self._run_fetch, job, wants)
             for kv_id, _, _ in wants:
-                self._fetches[kv_id] = (fut, time.perf_counter())
+                self._fetches[kv_id] = (job, job.progress)
 
     def _copy(self, pairs: np.ndarray, to_host: bool) -> None:
         """Rows ``pairs[:, 0]`` -> ``pairs[:, 1]`` of every layer: pool -> L2 (``to_host``) or
@@ -166,7 +193,7 @@ class TierManager:
         if self._np is not None:
             pool, host = self._np
             dst, src = (host, pool) if to_host else (pool, host)
-            copy_block_rows(dst, src, pairs, threads=torch.get_num_threads())
+            copy_block_rows(dst, src, pairs, threads=self.copy_threads)
             return
         src = torch.as_tensor(pairs[:, 0].astype(np.int64))
         dst = torch.as_tensor(pairs[:, 1].astype(np.int64))
@@ -191,43 +218,56 @@ class TierManager:
         if self.remote is not None:
             self.remote.put_many(items)
 
-    def _fetch_batch(self, wants: list[tuple[int, np.ndarray, np.ndarray]]) -> dict:
-        """Per sequence ``kv_id``: the leading blocks of its keys found in L3, then L4, as
-        ``[(payload, tier)]``. Each distinct key is read at most once per tier per batch
-        (sequences that share a system prompt ask for the same blocks): L3 block by block,
-        L4 in one ``MGET`` of every key some sequence still needs."""
+    def _run_fetch(self, job: FetchJob, wants: list) -> None:
+        try:
+            self._fetch_batch(wants, job)
+        except Exception as e:  # a failed fetch is a miss (the stores count their own errors)
+            log.debug("kvcore: tier fetch failed: %r", e)
+        finally:
+            job.finished = True
+
+    def _fetch_batch(
+        self, wants: list[tuple[int, np.ndarray, np.ndarray]], job: FetchJob | None = None
+    ) -> dict:
+        """Per sequence ``kv_id``, in order: the leading blocks of its keys found in L3, then
+        L4, as ``[(payload, tier)]``, published to ``job.results`` as soon as that sequence is
+        read (the scheduler admits it at the next step while later ones are still read). Each
+        distinct key is read at most once per tier per batch (sequences that share a system
+        prompt ask for the same blocks): L3 block by block, L4 in one ``MGET`` per sequence
+        of the keys no earlier sequence asked for."""
         disk: dict[str, bytes | None] = {}
+        remote: dict[str, bytes | None] = {}
         out: dict[int, list[tuple[bytes, int]]] = {}
         for kv_id, keys, toks in wants:
             got = out[kv_id] = []
-            if self.disk is None:
-                continue
-            for k, t in zip(keys, toks, strict=True):
-                h = k.tobytes().hex()
-                if h not in disk:
-                    self.fetch_reads += 1
-                    disk[h] = self.codec.decode(self.disk.get(h), k.tobytes(), t, self.block_bytes)
-                if disk[h] is None:
-                    break
-                got.append((disk[h], 3))
-        if self.remote is None:
-            return out
-        need = list(
-            dict.fromkeys(
-                k.tobytes().hex() for kv_id, keys, _ in wants for k in keys[len(out[kv_id]) :]
-            )
-        )
-        if not need:
-            return out
-        self.fetch_reads += len(need)
-        values = dict(zip(need, self.remote.get_many(need), strict=True))
-        for kv_id, keys, toks in wants:
-            got = out[kv_id]
-            for k, t in zip(keys[len(got) :], toks[len(got) :], strict=True):
-                p = self.codec.decode(values[k.tobytes().hex()], k.tobytes(), t, self.block_bytes)
-                if p is None:
-                    break
-                got.append((p, 4))
+            names = [k.tobytes().hex() for k in keys]
+            if self.disk is not None:
+                for name, k, t in zip(names, keys, toks, strict=True):
+                    if name not in disk:
+                        self.fetch_reads += 1
+                        value = self.disk.get(name)
+                        disk[name] = self.codec.decode(value, k.tobytes(), t, self.block_bytes)
+                    if disk[name] is None:
+                        break
+                    got.append((disk[name], 3))
+            if self.remote is not None and len(got) < len(keys):
+                rest = range(len(got), len(keys))
+                need = list(dict.fromkeys(names[i] for i in rest if names[i] not in remote))
+                if need:
+                    self.fetch_reads += len(need)
+                    values = dict(zip(need, self.remote.get_many(need), strict=True))
+                    for i in rest:
+                        if names[i] in values and names[i] not in remote:
+                            remote[names[i]] = self.codec.decode(
+                                values[names[i]], keys[i].tobytes(), toks[i], self.block_bytes
+                            )
+                for i in rest:
+                    if remote.get(names[i]) is None:
+                        break
+                    got.append((remote[names[i]], 4))
+            if job is not None:
+                job.results[kv_id] = got
+                job.progress = time.perf_counter()
         return out
 
     # ---- between steps ----------------------------------------------------------------
@@ -237,20 +277,26 @@ class TierManager:
         """Fetches in flight."""
         return len(self._fetches)
 
+    def fetched(self, job: FetchJob, kv_id: int, now: float) -> list | None:
+        """``kv_id``'s blocks once its job read them; None while it is still to be read and the
+        job moves; ``[]`` (a miss) when the job failed or stalled for ``fetch_timeout_s``."""
+        got = job.results.get(kv_id)
+        if got is None and (job.finished or now - job.progress > self.fetch_timeout_s):
+            return []
+        return got
+
     def before_schedule(self, scheduler: Any, forward_seconds: float) -> None:
         """Hands finished (or timed-out: a miss) fetches to the scheduler and fills their L2
         slots; refreshes the swap cost model."""
         now = time.perf_counter()
         done: list[tuple[int, list[tuple[bytes, int]]]] = []
-        for kv_id, (fut, start) in list(self._fetches.items()):
-            if fut.done() or now - start > self.fetch_timeout_s:
-                try:
-                    got = fut.result(timeout=0)[kv_id] if fut.done() else []
-                except Exception:  # a failed fetch is a miss
-                    got = []
-                done.append((kv_id, got))
-                self.fetch_latency_s.append(now - start)
-                del self._fetches[kv_id]
+        for kv_id, (job, start) in list(self._fetches.items()):
+            got = self.fetched(job, kv_id, now)
+            if got is None:
+                continue
+            done.append((kv_id, got))
+            self.fetch_latency_s.append(now - start)
+            del self._fetches[kv_id]
         if done:
             offsets, slots = scheduler.tier_fetched(
                 np.asarray([d[0] for d in done], np.int64),
