@@ -83,8 +83,8 @@ def percentile_ms(values: list[float], q: float) -> float:
 class FetchJob:
     """One step's fetches from L3/L4, read on an I/O thread sequence by sequence. ``results``
     (kv id -> blocks) fills as each sequence is read; ``progress`` is when the job was
-    submitted or last finished a sequence, so that a large batch that keeps moving is waited
-    for and only one that stalls for ``fetch_timeout_s`` turns into misses."""
+    submitted, started or last finished a sequence, so that a large batch that keeps moving is
+    waited for and only one that stalls for ``fetch_timeout_s`` turns into misses."""
 
     def __init__(self, now: float):
         self.results: dict[int, list[tuple[bytes, int]]] = {}
@@ -125,7 +125,8 @@ class TierManager:
             )
         # One thread: loads and offloads run right after a forward, while torch's OpenMP
         # workers still spin; threads of our own then share the cores with them (measured in
-        # the engine: 2.7 GB/s with 2 threads, 7.8 GB/s with 1; docs/tiers.md, Profile).
+        # the engine: 2.7 GB/s with 2 threads, 7.8 GB/s with 1; docs/tiers.md, "Every
+        # configuration in one run").
         self.copy_threads = 1
         self.codec, self.disk, self.remote = codec, disk, remote
         self.fetch_timeout_s = fetch_timeout_s
@@ -219,6 +220,7 @@ class TierManager:
             self.remote.put_many(items)
 
     def _run_fetch(self, job: FetchJob, wants: list) -> None:
+        job.progress = time.perf_counter()  # started: the wait in the I/O queue is not a stall
         try:
             self._fetch_batch(wants, job)
         except Exception as e:  # a failed fetch is a miss (the stores count their own errors)
