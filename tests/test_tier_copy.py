@@ -127,21 +127,22 @@ def _slow_fetch_setup(tmp_path, delay: float):
     caches = [torch.zeros(6, 2, 4, 1, 2) for _ in range(2)]
     codec = BlockCodec("fp", 2, "fp32", 4)
     disk = SlowDisk(tmp_path, 1 << 20, delay=delay)
-    tm = TierManager(caches, 8, codec, disk=disk, io_threads=1, fetch_timeout_s=0.3)
+    tm = TierManager(caches, 8, codec, disk=disk, io_threads=1, fetch_timeout_s=0.75)
     rng = np.random.default_rng(1)
-    keys = rng.integers(0, 256, (4, 32), dtype=np.uint8)
-    toks = rng.integers(0, 500, (4, 4)).astype(np.int32)
-    rows = rng.integers(0, 256, (4, tm.block_bytes), dtype=np.uint8)
+    keys = rng.integers(0, 256, (6, 32), dtype=np.uint8)
+    toks = rng.integers(0, 500, (6, 4)).astype(np.int32)
+    rows = rng.integers(0, 256, (6, tm.block_bytes), dtype=np.uint8)
     tm._publish(keys, toks, rows)
-    # four sequences, one block each, no block shared: four reads in a row
-    return tm, [(10 + i, keys[i : i + 1], toks[i : i + 1]) for i in range(4)], rows
+    # six sequences, one block each, no block shared: six reads in a row
+    return tm, [(10 + i, keys[i : i + 1], toks[i : i + 1]) for i in range(6)], rows
 
 
 def test_a_large_fetch_that_keeps_moving_is_waited_for_sequence_by_sequence(tmp_path):
-    """Each read takes 0.2 s, the timeout is 0.3 s, the batch 0.8 s: every sequence is a hit
+    """Each read takes 0.25 s, the timeout is 0.75 s, the batch 1.5 s: every sequence is a hit
     (the timeout runs from the job's last progress, not from submission), and each one is
-    handed over as soon as it is read, before the batch ends."""
-    tm, wants, rows = _slow_fetch_setup(tmp_path, delay=0.2)
+    handed over as soon as it is read, before the batch ends. (Margins of 0.5 s: a loaded CI
+    machine may delay a thread.)"""
+    tm, wants, rows = _slow_fetch_setup(tmp_path, delay=0.25)
     try:
         job = FetchJob(time.perf_counter())
         tm.io.submit(tm._run_fetch, job, wants)
@@ -163,13 +164,13 @@ def test_a_large_fetch_that_keeps_moving_is_waited_for_sequence_by_sequence(tmp_
 def test_a_stalled_fetch_turns_into_misses(tmp_path):
     """A read that hangs past the timeout: the sequences not yet read are misses ([]), not
     errors, while the job is still running."""
-    tm, wants, _ = _slow_fetch_setup(tmp_path, delay=0.6)
+    tm, wants, _ = _slow_fetch_setup(tmp_path, delay=1.75)
     try:
         job = FetchJob(time.perf_counter())
-        tm.io.submit(tm._run_fetch, job, wants[:2])
+        tm.io.submit(tm._run_fetch, job, wants[:1])
         time.sleep(0.05)
         assert tm.fetched(job, wants[0][0], time.perf_counter()) is None  # still waiting
-        time.sleep(0.4)
+        time.sleep(1.0)
         assert not job.finished
         assert tm.fetched(job, wants[0][0], time.perf_counter()) == []
     finally:

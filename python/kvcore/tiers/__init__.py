@@ -239,9 +239,9 @@ class TierManager:
         of the keys no earlier sequence asked for."""
         disk: dict[str, bytes | None] = {}
         remote: dict[str, bytes | None] = {}
-        out: dict[int, list[tuple[bytes, int]]] = {}
+        out = job.results if job is not None else {}
         for kv_id, keys, toks in wants:
-            got = out[kv_id] = []
+            got: list[tuple[bytes, int]] = []
             names = [k.tobytes().hex() for k in keys]
             if self.disk is not None:
                 for name, k, t in zip(names, keys, toks, strict=True):
@@ -267,8 +267,8 @@ class TierManager:
                     if remote.get(names[i]) is None:
                         break
                     got.append((remote[names[i]], 4))
+            out[kv_id] = got  # whole: the scheduler never sees a sequence half read
             if job is not None:
-                job.results[kv_id] = got
                 job.progress = time.perf_counter()
         return out
 
