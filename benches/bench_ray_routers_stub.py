@@ -2,7 +2,7 @@
 
     python benches/bench_ray_routers_stub.py --replicas 8 --seed 0
 
-``kvcore.sim`` runs kvcore's routers but only a model of Ray's PrefixCacheAffinityRouter (its
+``kvcore.tools.sim`` runs kvcore's routers but only a model of Ray's PrefixCacheAffinityRouter (its
 router needs Serve and Ray actors). Here every router is the real Ray Serve one, routing
 through a deployment handle: ``prefix`` (KvcoreRequestRouter), ``ray_prefix`` (Ray's
 PrefixCacheAffinityRouter, Ray's defaults) and ``p2c`` (Ray's default). A stub replica costs
@@ -57,15 +57,15 @@ def main() -> None:
     args = ap.parse_args()
 
     import ray
-    from kvcore.serve.ray_app import ROUTERS
-    from kvcore.serve.ray_ingress import RoutedRequest
+    from kvcore.scaleout.ray_app import ROUTERS
+    from kvcore.scaleout.ray_ingress import RoutedRequest
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
     class StubReplica:
         def __init__(self, step_ms: float, prefill_ms: float, blocks: int):
-            from kvcore.serve.router import ReplicaTree
+            from kvcore.scaleout.router import ReplicaTree
 
             self.cache, self.lock = ReplicaTree(blocks, 16), asyncio.Lock()
             self.step_s, self.prefill_s = step_ms / 1000, prefill_ms / 1000

@@ -5,7 +5,7 @@ Block counts are the scheduler's business, so the forward is not run: the engine
 (which window to release behind, from the model's config, as ``LLMEngine`` makes it) drives a
 ``kvcore.Scheduler`` stepped with a constant sampled token. ``--model`` is a built-in shape
 (``tiny-mistral``: every layer windowed; ``tiny-gemma3``: Gemma 3 270M's layout, 18 layers,
-window 512, every 6th global) or anything ``kvcore.models.load_model`` loads (its config is
+window 512, every 6th global) or anything ``kvcore.models.loader.load_model`` loads (its config is
 read). Prints ``name: value unit`` lines; ``--seeds`` jitters the lengths (+-10%) per seed and
 reports mean and spread.
 
@@ -20,8 +20,8 @@ import statistics
 
 import numpy as np
 from kvcore import _kvcore
-from kvcore.retention import parse_retention
-from kvcore.retention_engine import exact_release_window, kv_groups, model_windows
+from kvcore.retention.spec import parse_retention
+from kvcore.retention.release import exact_release_window, kv_groups, model_windows
 
 
 def model_config(name: str):
@@ -41,7 +41,7 @@ def model_config(name: str):
             sliding_window=512,
             max_position_embeddings=32768,
         )
-    from kvcore.models import load_model
+    from kvcore.models.loader import load_model
 
     return load_model(name)[0].config
 

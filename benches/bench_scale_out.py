@@ -102,7 +102,7 @@ def replica_counts(url: str) -> list[float]:
 
 
 def run_layout(name, replicas, router, blocks, stream, args, port, prefill=0, extra=()):
-    from kvcore.serve.ray_app import build_app
+    from kvcore.scaleout.ray_app import build_app
     from ray import serve
 
     argv = ["--model", "tiny-llama", "--num-blocks", str(blocks), "--threads", "1"]

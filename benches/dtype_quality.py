@@ -53,7 +53,7 @@ def _compare(name: str, ref: list[list[int]], new: list[list[int]]) -> None:
 def _hf(model_name: str, dtype: str, prompts: list[list[int]], gen: int) -> list[list[int]]:
     """transformers' greedy generate (sdpa attention), one prompt at a time, no EOS stop."""
     import torch
-    from kvcore.models import load_model
+    from kvcore.models.loader import load_model
 
     model, _ = load_model(model_name, dtype=dtype)
     model.set_attn_implementation("sdpa")
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     from kvcore import LLM, SamplingParams
-    from kvcore.workload import chat_workload
+    from kvcore.tools.workload import chat_workload
 
     torch.set_num_threads(args.threads)
     convs = chat_workload(args.prompts, seed=args.seed)

@@ -17,8 +17,8 @@ import argparse
 import time
 
 import torch
-from kvcore.llm import LLM
-from kvcore.models import load_model
+from kvcore.entrypoints.llm import LLM
+from kvcore.models.loader import load_model
 from kvcore.outputs import SamplingParams
 
 

@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 import torch
-from kvcore.entrypoints.bench_data import make_dataset
-from kvcore.llm import LLM
+from kvcore.tools.bench_data import make_dataset
+from kvcore.entrypoints.llm import LLM
 from kvcore.outputs import SamplingParams
 from kvcore_kernels import chunks_torch
 

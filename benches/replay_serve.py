@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 import torch
-from kvcore.entrypoints.bench_data import make_dataset, rate_seed
-from kvcore.llm import LLM
+from kvcore.tools.bench_data import make_dataset, rate_seed
+from kvcore.entrypoints.llm import LLM
 from kvcore.outputs import SamplingParams
 
 

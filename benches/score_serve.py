@@ -25,7 +25,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-from kvcore.entrypoints.bench_data import knee, regoodput  # noqa: E402
+from kvcore.tools.bench_data import knee, regoodput  # noqa: E402
 
 
 def _load(path: str, ttft_ms: float, itl_ms: float) -> dict[float, dict]:

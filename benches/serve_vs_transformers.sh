@@ -25,7 +25,7 @@ export PYTHONPATH=$PWD/python:$PWD/kernels OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREA
 RATES=${RATES:-"2 3 4 6 8 12"}; N=${N:-48}; MAXTOK=${MAXTOK:-32}; SEED=${SEED:-0}
 SLO=${SLO:-"--slo-ttft-ms 1000 --slo-itl-ms 300"}; OUT=${OUT:-/tmp/serve_bench}; mkdir -p "$OUT"
 # transformers serve needs `architectures` in config.json: a sibling view of kvcore's cached copy.
-CKPT=$(python -c "from kvcore.models import smollm2_checkpoint; print(smollm2_checkpoint())")
+CKPT=$(python -c "from kvcore.models.loader import smollm2_checkpoint; print(smollm2_checkpoint())")
 HF="$OUT/smollm2-hf"; mkdir -p "$HF"
 for f in model.safetensors tokenizer.json tokenizer_config.json chat_template.jinja; do
   ln -sf "$CKPT/$f" "$HF/$f"; done

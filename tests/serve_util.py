@@ -32,7 +32,7 @@ def make_model_dir(path: Path) -> Path:
     template: the tiny model with text, so every endpoint can be tested in seconds."""
     import pydoc_data.topics
 
-    from kvcore.models import tiny_llama
+    from kvcore.models.loader import tiny_llama
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -74,7 +74,7 @@ class ServerProcess:
     def __init__(self, *args: str, timeout: float = 180.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kvcore.entrypoints", "serve", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "kvcore", "serve", "--port", str(self.port)]
         self.proc = subprocess.Popen(
             [*cmd, *args], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kvcore.cli import main
+from kvcore.entrypoints.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^([a-z0-9_]+): (-?[0-9.]+(?:e[-+]?[0-9]+)?|nan)(?: (\S.*))?$")

@@ -10,8 +10,8 @@ from kvcore.config import (
     resolve_device,
 )
 from kvcore.errors import InvalidArgumentError
-from kvcore.generation_defaults import default_sampling_params, model_sampling_defaults
-from kvcore.report import RunSummary, format_table, rows_json
+from kvcore.engine.generation_defaults import default_sampling_params, model_sampling_defaults
+from kvcore.tools.report import RunSummary, format_table, rows_json
 from transformers import GenerationConfig
 
 NO_CUDA = not torch.cuda.is_available()
@@ -62,7 +62,7 @@ def test_sampling_defaults_come_from_the_generation_config():
 
 
 def test_a_model_that_says_nothing_samples_at_temperature_one():
-    from kvcore.models import tiny_llama
+    from kvcore.models.loader import tiny_llama
 
     model = tiny_llama(num_hidden_layers=1, hidden_size=64, intermediate_size=64,
                        num_attention_heads=2, num_key_value_heads=1, vocab_size=64)  # fmt: skip

@@ -4,11 +4,11 @@ import kvcore_kernels
 import numpy as np
 import pytest
 import torch
-from kvcore.attention_op import PLAN_STATS, attach_plan, paged_attention, plan_for
-from kvcore.compile import compiled_graph_count
-from kvcore.llm import LLM
-from kvcore.model_runner import ModelRunner
-from kvcore.models import tiny_llama
+from kvcore.runner.attention_op import PLAN_STATS, attach_plan, paged_attention, plan_for
+from kvcore.runner.compile import compiled_graph_count
+from kvcore.entrypoints.llm import LLM
+from kvcore.runner.model_runner import ModelRunner
+from kvcore.models.loader import tiny_llama
 from kvcore.outputs import SamplingParams
 from test_engine import SMALL
 

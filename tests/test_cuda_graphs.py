@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 from kvcore import InvalidArgumentError
-from kvcore.cuda_graphs import DecodeBuffers, graph_sizes
-from kvcore.model_runner import ModelRunner
-from kvcore.models import tiny_llama
+from kvcore.runner.cuda_graphs import DecodeBuffers, graph_sizes
+from kvcore.runner.model_runner import ModelRunner
+from kvcore.models.loader import tiny_llama
 from test_engine import SMALL
 from test_engine_runner import _plan
 
@@ -125,7 +125,7 @@ GPU = dict(SMALL, hidden_size=128)  # head_dim 32: a size the Triton kernels tak
 @pytest.mark.cuda
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_graph_greedy_equals_eager(compile):
-    from kvcore.llm import LLM
+    from kvcore.entrypoints.llm import LLM
     from kvcore.outputs import SamplingParams
 
     model = tiny_llama(seed=3, **GPU).to("cuda")

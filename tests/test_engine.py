@@ -9,8 +9,8 @@ import pytest
 import torch
 from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError, KvCoreError, TooLongError
-from kvcore.llm import LLM
-from kvcore.models import tiny_llama
+from kvcore.entrypoints.llm import LLM
+from kvcore.models.loader import tiny_llama
 from kvcore.outputs import SamplingParams
 
 VOCAB = 128

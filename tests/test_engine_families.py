@@ -4,7 +4,7 @@ equal transformers' generate with chunked prefill, prefix hits and mixed lengths
 
 import pytest
 import torch
-from kvcore.llm import LLM
+from kvcore.entrypoints.llm import LLM
 from test_engine import SMALL, _check, _greedy, _hf_greedy, _prompts
 
 GEOMETRY = {**SMALL, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}

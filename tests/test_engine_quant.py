@@ -7,8 +7,8 @@ Quality against the model-dtype cache on the embedded model is in test_engine_sm
 import numpy as np
 import pytest
 from kvcore import CacheConfig, InvalidArgumentError
-from kvcore.llm import LLM
-from kvcore.models import tiny_llama
+from kvcore.entrypoints.llm import LLM
+from kvcore.models.loader import tiny_llama
 from test_engine import SMALL, VOCAB, _check, _greedy, _prompts
 
 QCFG = {**SMALL, "hidden_size": 128}  # head_dim 32: the smallest int4 / int2 pack (groups of 32)

@@ -12,10 +12,10 @@ from kvcore import (
     StepFailedError,
     UnknownRequestError,
 )
-from kvcore.llm import LLM
-from kvcore.models import tiny_llama
+from kvcore.entrypoints.llm import LLM
+from kvcore.models.loader import tiny_llama
 from kvcore.outputs import SamplingParams
-from kvcore.requests import salt_namespace
+from kvcore.engine.request import salt_namespace
 from test_engine import SMALL, _check, _greedy, _prompts
 
 
@@ -105,9 +105,9 @@ def test_failed_step_aborts_its_requests_and_the_engine_keeps_serving(
     elif where == "sampler":
         _fail_once(monkeypatch, engine.sampler, "sample", exc)
     else:
-        import kvcore.engine
+        import kvcore.engine.llm_engine
 
-        _fail_once(monkeypatch, kvcore.engine.Request, "record", exc)
+        _fail_once(monkeypatch, kvcore.engine.llm_engine.Request, "record", exc)
     expected_exc = KeyboardInterrupt if isinstance(exc, KeyboardInterrupt) else StepFailedError
     with pytest.raises(expected_exc):
         llm.generate(prompts, _greedy(6), use_tqdm=False)

@@ -3,8 +3,8 @@ stop strings, streaming. Few short prompts: the model is slow on a CPU."""
 
 import pytest
 import torch
-from kvcore.llm import LLM
-from kvcore.models import load_model
+from kvcore.entrypoints.llm import LLM
+from kvcore.models.loader import load_model
 from kvcore.outputs import SamplingParams
 
 QUESTIONS = ["What is 2 + 2?", "Name a color.", "Write one word about the sea, then explain it."]

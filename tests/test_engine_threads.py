@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 from kvcore import UnknownRequestError
-from kvcore.llm import LLM
-from kvcore.models import tiny_llama
+from kvcore.entrypoints.llm import LLM
+from kvcore.models.loader import tiny_llama
 from kvcore.outputs import SamplingParams
 from test_engine import SMALL
 

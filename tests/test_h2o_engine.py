@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from kvcore.h2o_engine import H2OTracker
-from kvcore.llm import LLM
-from kvcore.retention import parse_retention
+from kvcore.retention.h2o import H2OTracker
+from kvcore.entrypoints.llm import LLM
+from kvcore.retention.spec import parse_retention
 from test_engine import _check, _greedy, _prompts
 from test_retention_engine import llama  # noqa: F401  (fixture)
 

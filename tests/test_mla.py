@@ -8,8 +8,8 @@ import pytest
 import torch
 from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError
-from kvcore.llm import LLM
-from kvcore.mla import MLAAttention, mha_equivalent_bytes_per_token, tiny_deepseek
+from kvcore.entrypoints.llm import LLM
+from kvcore.runner.mla import MLAAttention, mha_equivalent_bytes_per_token, tiny_deepseek
 from kvcore.outputs import SamplingParams
 from kvcore_kernels import mla_torch
 

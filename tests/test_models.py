@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 from kvcore import InvalidArgumentError
-from kvcore import models as kvmodels
-from kvcore.model_runner import kv_bytes_per_block, kv_geometry
-from kvcore.models import check_supported, load_model, tiny_llama
+from kvcore.models import loader as kvmodels
+from kvcore.runner.model_runner import kv_bytes_per_block, kv_geometry
+from kvcore.models.loader import check_supported, load_model, tiny_llama
 from test_engine import SMALL
 
 

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 from kvcore.errors import InvalidArgumentError
-from kvcore.planner import geometry, parse_memory, plan_capacity
-from kvcore.quant_cli import plan_main
+from kvcore.tools.planner import geometry, parse_memory, plan_capacity
+from kvcore.entrypoints.cli.plan import plan_main
 from kvcore_kernels.quant import block_layout, get_format
 
 SMOLLM2 = dict(
@@ -115,7 +115,7 @@ def test_auto_format_follows_the_config_dtype():
 
 
 def test_mla_beside_its_mha_equivalent(tmp_path, capsys):
-    from kvcore.planner import format_table, mha_equivalent_bytes_per_token
+    from kvcore.tools.planner import format_table, mha_equivalent_bytes_per_token
 
     v3 = dict(
         model_type="deepseek_v3", num_hidden_layers=61, num_attention_heads=128,

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 from kvcore.errors import InvalidArgumentError
-from kvcore.llm import LLM
-from kvcore.retention import RetentionError
-from kvcore.retention_engine import fill_released, kernels_take_null_entries
+from kvcore.entrypoints.llm import LLM
+from kvcore.retention.spec import RetentionError
+from kvcore.retention.release import fill_released, kernels_take_null_entries
 from test_engine import SMALL, _check, _greedy, _hf_greedy, _prompts
 
 GEOMETRY = {**SMALL, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
@@ -160,7 +160,7 @@ def test_window_release_with_host_tier_and_swap_preemption(mistral):
 
 
 def test_kv_groups_of_hybrid_layouts():
-    from kvcore.retention_engine import kv_groups
+    from kvcore.retention.release import kv_groups
 
     assert kv_groups((20, 20, 20)) is None and kv_groups((None, None)) is None
     gemma = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
@@ -219,7 +219,7 @@ def test_scheduler_takes_drops_through_update():
 
 
 def test_has_released_looks_only_inside_used_blocks():
-    from kvcore.retention_engine import has_released
+    from kvcore.retention.release import has_released
 
     table = np.array([[3, 4, 0, 0], [5, 0, 6, 0]], np.int32)  # trailing zeros: padding
     assert not has_released(table[:1], np.array([8]), 4)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 from kvcore.errors import InvalidArgumentError
-from kvcore.eval_kv import PagedLM, perplexity
-from kvcore.eval_retention import (
+from kvcore.tools.eval_kv import PagedLM, perplexity
+from kvcore.tools.eval_retention import (
     FILLER,
     HEADER,
     ByteTokenizer,
@@ -17,9 +17,9 @@ from kvcore.eval_retention import (
     needle_cases,
     stream_perplexity,
 )
-from kvcore.models import tiny_llama
-from kvcore.quant_cli import eval_kv_main
-from kvcore.retention import RetentionError, blocks_to_release, parse_retention
+from kvcore.models.loader import tiny_llama
+from kvcore.entrypoints.cli.plan import eval_kv_main
+from kvcore.retention.spec import RetentionError, blocks_to_release, parse_retention
 
 BS = 4
 TINY = dict(

@@ -2,7 +2,7 @@
 
 import pytest
 from kvcore.errors import InvalidArgumentError
-from kvcore.retention import (
+from kvcore.retention.spec import (
     RetentionError,
     RetentionPolicy,
     parse_retention,

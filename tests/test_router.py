@@ -1,11 +1,11 @@
-"""The replica routers (kvcore.serve.router): exact choices on scripted streams."""
+"""The replica routers (kvcore.scaleout.router): exact choices on scripted streams."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from kvcore.errors import InvalidArgumentError
-from kvcore.serve.router import (
+from kvcore.scaleout.router import (
     PowerOfTwoRouter,
     PrefixRouter,
     RandomRouter,
@@ -115,7 +115,7 @@ def test_ray_prefix_model_follows_rays_rule():
 
 
 def test_cluster_sim_prefix_beats_p2c(capsys):
-    from kvcore import sim
+    from kvcore.tools import sim
 
     small = ["--replicas", "4", "--requests-per-replica", "40", "--system-len", "256"]
     small += ["--kv-blocks", "96", "--systems", "8", "--seed", "1"]
@@ -131,8 +131,8 @@ def test_cluster_sim_prefix_beats_p2c(capsys):
 
 
 def test_merge_metrics_labels_every_series_with_its_replica():
-    from kvcore.entrypoints.metrics import ServerMetrics
-    from kvcore.serve.merge import merge_metrics
+    from kvcore.entrypoints.openai.metrics import ServerMetrics
+    from kvcore.scaleout.merge import merge_metrics
     from prometheus_client.parser import text_string_to_metric_families
 
     texts = {}

@@ -5,7 +5,7 @@ import pytest
 import torch
 from kvcore import InvalidArgumentError
 from kvcore.outputs import SamplingParams
-from kvcore.sampler import Sampler, mix_seed
+from kvcore.engine.sampler import Sampler, mix_seed
 
 VOCAB = 50
 

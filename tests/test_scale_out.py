@@ -17,7 +17,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'ray[serve]')")
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed")
 
-from kvcore.serve.ray_app import build_app  # noqa: E402
+from kvcore.scaleout.ray_app import build_app  # noqa: E402
 from serve_util import ROOT, free_port  # noqa: E402
 
 ENGINE = ["--model", "tiny-llama", "--num-blocks", "96", "--threads", "1"]

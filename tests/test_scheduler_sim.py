@@ -1,6 +1,6 @@
 """The simulator runs the three systems on one stream and shows what paging buys."""
 
-from kvcore import sim
+from kvcore.tools import sim
 
 
 def test_paged_beats_reservation_on_the_same_stream(capsys):

@@ -341,7 +341,7 @@ def test_disconnecting_clients_leave_nothing_running(server):
 
 
 def test_bench_serve_prints_its_figures(server, capsys, tmp_path):
-    from kvcore.entrypoints.bench_serve import main
+    from kvcore.tools.bench_serve import main
 
     plot = tmp_path / "curves.png"
     argv = ["--base-url", server.url, "--api-key", KEY, "--dataset", "random", "--num-prompts",

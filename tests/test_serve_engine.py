@@ -8,11 +8,11 @@ import types
 
 import pytest
 from kvcore import LLM, SamplingParams
-from kvcore.entrypoints.async_engine import AsyncEngine, EngineError
-from kvcore.entrypoints.bench_data import knee, make_dataset, rate_seed
-from kvcore.entrypoints.bench_serve import Result, summarize
-from kvcore.entrypoints.metrics import ServerMetrics
-from kvcore.entrypoints.protocol import (
+from kvcore.engine.async_engine import AsyncEngine, EngineError
+from kvcore.tools.bench_data import knee, make_dataset, rate_seed
+from kvcore.tools.bench_serve import Result, summarize
+from kvcore.entrypoints.openai.metrics import ServerMetrics
+from kvcore.entrypoints.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,7 +26,7 @@ SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
 
 @pytest.fixture(scope="module")
 def llm():
-    from kvcore.models import tiny_llama
+    from kvcore.models.loader import tiny_llama
 
     return LLM(tiny_llama(seed=1, **SMALL), num_blocks=128, max_model_len=256)
 

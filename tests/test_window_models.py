@@ -2,7 +2,7 @@
 and seeded, through kvcore's engine with ``retention="full"`` (every block kept, windows applied
 by the kernels): greedy tokens equal transformers' ``generate`` with 80-token prompts over a
 16-token window, chunked prefill, prefix hits and decode past the window; the window each layer
-receives is the one ``kvcore.windows.layer_windows`` reports; and dropping the window changes
+receives is the one ``kvcore.models.windows.layer_windows`` reports; and dropping the window changes
 the tokens (so the equality is not vacuous)."""
 
 import inspect
@@ -12,11 +12,11 @@ import pytest
 import torch
 from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError
-from kvcore.llm import LLM
-from kvcore.models import MODEL_NAMES, check_supported, load_model
-from kvcore.planner import geometry
-from kvcore.tiny_models import TINY_WINDOW, TINY_WINDOW_MODELS, tiny_window_model
-from kvcore.windows import layer_windows, visible_tokens, window_groups
+from kvcore.entrypoints.llm import LLM
+from kvcore.models.loader import MODEL_NAMES, check_supported, load_model
+from kvcore.tools.planner import geometry
+from kvcore.models.tiny import TINY_WINDOW, TINY_WINDOW_MODELS, tiny_window_model
+from kvcore.models.windows import layer_windows, visible_tokens, window_groups
 from test_engine import VOCAB, _greedy, _prompts
 
 # retention="full" (every block kept) once LLM takes a retention policy (issue 12): these tests

@@ -28,8 +28,8 @@ from kvcore.errors import (
 # The serving API imports torch and transformers: loaded on first use (PEP 562), so that
 # ``import kvcore`` for the Rust core alone stays light.
 _LAZY = {
-    "LLM": "kvcore.llm",
-    "LLMEngine": "kvcore.engine",
+    "LLM": "kvcore.entrypoints.llm",
+    "LLMEngine": "kvcore.engine.llm_engine",
     "SamplingParams": "kvcore.outputs",
     "RequestOutput": "kvcore.outputs",
     "CompletionOutput": "kvcore.outputs",

@@ -2,7 +2,7 @@
 
 import sys
 
-from kvcore.cli import main
+from kvcore.entrypoints.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

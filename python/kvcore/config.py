@@ -185,7 +185,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         self._check_tiers()
-        from kvcore.retention import parse_retention
+        from kvcore.retention.spec import parse_retention
 
         parse_retention(self.retention)  # RetentionError (an InvalidArgumentError) when bad
         if not isinstance(self.sliding_window_release, bool):

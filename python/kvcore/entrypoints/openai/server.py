@@ -1,0 +1,219 @@
+"""``kvcore serve``: the FastAPI app (OpenAI's endpoints, /health, /metrics) and its runner.
+
+Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad
+parameter or prompt too long, 401 missing or wrong key (``hmac.compare_digest``), 404 unknown
+model or route, 413 body over ``--max-body-bytes``, 503 + ``Retry-After`` over ``--max-waiting``
+waiting requests or while shutting down, 500 when the engine fails. SIGINT/SIGTERM stop admitting
+(503), let in-flight requests finish for ``--shutdown-grace-s`` seconds, abort the rest, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import hmac
+import logging
+import signal
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+
+from kvcore.entrypoints.openai import responses, serving
+from kvcore.engine.async_engine import AsyncEngine
+from kvcore.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kvcore.entrypoints.openai.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+)
+from kvcore.entrypoints.openai.serving import ServerState
+
+log = logging.getLogger("kvcore.scaleout")
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _authorize(state: ServerState, request: Request) -> None:
+    if state.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    ok = scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode(), state.api_key.encode()
+    )
+    if not ok:
+        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
+async def _body(state: ServerState, request: Request) -> bytes:
+    """The request body, refused (413) past the byte cap without reading it all."""
+    cap = state.max_body_bytes
+    too_big = ApiError(413, f"The request body is larger than {cap} bytes.", code="body_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > cap:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _complete(state: ServerState, request: Request, job: serving.Job) -> Response:
+    outputs = await serving.run(state, job)
+    if job.req.stream:
+        return StreamingResponse(
+            responses.sse(state, job, outputs),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            background=BackgroundTask(job.close),  # runs even if the client left early
+        )
+    work = asyncio.ensure_future(responses.collect(state, job, outputs))
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():  # the client left: drop the work (its requests get aborted)
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
+        job.close()
+    if work.cancelled():
+        return Response(status_code=499)
+    return JSONResponse(work.result())
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI app over a running AsyncEngine."""
+    app = FastAPI(title="kvcore", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvcore = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        code = "not_found" if e.status_code == 404 else None
+        return _error(ApiError(e.status_code, str(e.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error(ApiError(500, f"Internal error: {type(e).__name__}", type="server_error"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = state.engine.running
+        body = {"status": "ok" if ok else "engine stopped", **state.engine.snapshot}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        _authorize(state, request)
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvcore",
+            "max_model_len": state.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        _authorize(state, request)
+        req = parse_body(CompletionRequest, await _body(state, request))
+        return await _complete(state, request, serving.prepare_completion(state, req))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        _authorize(state, request)
+        req = parse_body(ChatCompletionRequest, await _body(state, request))
+        return await _complete(state, request, serving.prepare_chat(state, req))
+
+    return app
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def make_state(llm: Any, args: Any) -> ServerState:
+    """The server's state over a loaded ``kvcore.LLM`` and the parsed ``kvcore serve`` flags."""
+    engine = llm.engine
+    name = args.served_model_name or str(args.model)
+    cc = engine.cache_config
+    info = {
+        "block_size": cc.block_size,
+        "num_gpu_blocks": engine.runner.num_blocks - 1,
+        "cache_dtype": str(cc.kv_format),  # as asked (vLLM's label: "auto" = the model's)
+        "kv_dtype": _dtype_name(engine.runner.kv_dtype) if not cc.quantized else "quantized",
+        "model_dtype": _dtype_name(engine.model.dtype),
+        "enable_prefix_caching": str(cc.prefix_caching != "off"),
+        "prefix_caching": cc.prefix_caching,
+    }
+    metrics = ServerMetrics(name, args.metrics_prefix, info)
+    max_n = min(args.max_n, engine.scheduler_config.max_num_seqs)
+    tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+    return ServerState(
+        engine=AsyncEngine(engine, metrics=metrics),
+        tokenizer=tokenizer,
+        model_name=name,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        max_n=max_n,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting if args.max_waiting > 0 else None,
+        max_body_bytes=args.max_body_bytes,
+        metrics=metrics,
+    )
+
+
+def run_server(state: ServerState, host: str, port: int, grace_s: float, log_level: str) -> int:
+    """Serve until SIGINT/SIGTERM; returns 0 after a graceful shutdown."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Stop admitting at once; uvicorn then waits up to grace_s for in-flight requests.
+            # Unlike uvicorn's own handler, the signal is not re-raised afterwards: exit 0.
+            state.draining = True
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    config = uvicorn.Config(
+        build_app(state),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=max(1, int(grace_s)),
+        lifespan="off",
+    )
+    server = _Server(config)
+    try:
+        server.run()
+    finally:
+        state.engine.stop()
+    return 0 if server.started else 1
