@@ -18,7 +18,7 @@ import torch
 from kvcore.tools.eval_kv import PagedLM
 from kvcore.tools.eval_retention import stream_perplexity
 from kvcore.models.loader import load_model
-from kvcore.entrypoints.cli.plan import corpus_ids
+from kvcore.tools.corpus import corpus_ids
 from kvcore.retention.spec import parse_retention_list
 
 

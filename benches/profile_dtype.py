@@ -19,7 +19,7 @@ import time
 import torch
 from kvcore.entrypoints.llm import LLM
 from kvcore.models.loader import load_model
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 
 
 def _prompt(i: int, n: int) -> list[int]:

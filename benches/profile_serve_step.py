@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from kvcore.tools.bench_data import make_dataset
 from kvcore.entrypoints.llm import LLM
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 from kvcore_kernels import chunks_torch
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from kvcore.tools.bench_data import make_dataset, rate_seed
 from kvcore.entrypoints.llm import LLM
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 
 
 def main() -> None:

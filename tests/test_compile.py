@@ -9,7 +9,7 @@ from kvcore.runner.compile import compiled_graph_count
 from kvcore.entrypoints.llm import LLM
 from kvcore.runner.model_runner import ModelRunner
 from kvcore.models.loader import tiny_llama
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 from test_engine import SMALL
 
 BS, HK, HQ, D = 4, 2, 4, 16

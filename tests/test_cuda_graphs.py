@@ -126,7 +126,7 @@ GPU = dict(SMALL, hidden_size=128)  # head_dim 32: a size the Triton kernels tak
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_graph_greedy_equals_eager(compile):
     from kvcore.entrypoints.llm import LLM
-    from kvcore.outputs import SamplingParams
+    from kvcore.params import SamplingParams
 
     model = tiny_llama(seed=3, **GPU).to("cuda")
     rng = np.random.default_rng(0)

@@ -11,7 +11,7 @@ from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError, KvCoreError, TooLongError
 from kvcore.entrypoints.llm import LLM
 from kvcore.models.loader import tiny_llama
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 
 VOCAB = 128
 SMALL = dict(

@@ -14,7 +14,7 @@ from kvcore import (
 )
 from kvcore.entrypoints.llm import LLM
 from kvcore.models.loader import tiny_llama
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 from kvcore.engine.request import salt_namespace
 from test_engine import SMALL, _check, _greedy, _prompts
 

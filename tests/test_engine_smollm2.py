@@ -5,7 +5,7 @@ import pytest
 import torch
 from kvcore.entrypoints.llm import LLM
 from kvcore.models.loader import load_model
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 
 QUESTIONS = ["What is 2 + 2?", "Name a color.", "Write one word about the sea, then explain it."]
 

@@ -15,7 +15,7 @@ import pytest
 from kvcore import UnknownRequestError
 from kvcore.entrypoints.llm import LLM
 from kvcore.models.loader import tiny_llama
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 from test_engine import SMALL
 
 NUM_REQUESTS = 10_000

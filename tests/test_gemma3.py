@@ -13,7 +13,7 @@ from kvcore.models import loader as kvmodels
 from kvcore.models.gemma3_gguf import INSTALL_COMMAND, NOTICE, gemma3_checkpoint, is_installed
 from kvcore.entrypoints.llm import LLM
 from kvcore.runner.model_runner import kv_geometry
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 from kvcore.tools.planner import geometry
 from kvcore.models.windows import layer_windows, window_groups
 from test_window_models import FULL
@@ -49,7 +49,7 @@ def test_loaded_from_the_cache_with_its_hybrid_layout(gemma, monkeypatch):
     def no_conversion(*args, **kwargs):
         raise AssertionError("the cached copy should have been used")
 
-    monkeypatch.setattr(kvmodels, "_convert_gguf", no_conversion)
+    monkeypatch.setattr("kvcore.models.gguf.convert_gguf", no_conversion)
     path = gemma3_checkpoint()  # the fixture converted (or found) it: now only a lookup
     assert (path / "NOTICE").read_text() == NOTICE and "ai.google.dev/gemma/terms" in NOTICE
     cfg = model.config
@@ -116,7 +116,7 @@ def test_a_corrupt_chunk_is_refused_and_leaves_no_files(monkeypatch, tmp_path):
     def no_conversion(*args, **kwargs):
         raise AssertionError("a file with the wrong checksum must not be converted")
 
-    monkeypatch.setattr(kvmodels, "_convert_gguf", no_conversion)
+    monkeypatch.setattr("kvcore.models.gguf.convert_gguf", no_conversion)
     with pytest.raises(InvalidArgumentError, match="SHA-256"):
         gemma3_checkpoint()
     assert list(cache.iterdir()) == []  # neither the joined file nor a checkpoint folder

@@ -77,7 +77,7 @@ def test_h2o_policy_runs_within_its_budget(llama):  # noqa: F811
 
 @pytest.mark.parametrize("n", [2])
 def test_h2o_with_parallel_samples_and_a_small_pool(llama, n):  # noqa: F811
-    from kvcore.outputs import SamplingParams
+    from kvcore.params import SamplingParams
 
     llm = LLM(llama, block_size=4, num_blocks=40, max_num_batched_tokens=24)
     params = SamplingParams(temperature=0.8, n=n, max_tokens=40, seed=3, ignore_eos=True)

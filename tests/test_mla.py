@@ -10,7 +10,7 @@ from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError
 from kvcore.entrypoints.llm import LLM
 from kvcore.runner.mla import MLAAttention, mha_equivalent_bytes_per_token, tiny_deepseek
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 from kvcore_kernels import mla_torch
 
 VOCAB = 256

@@ -71,7 +71,7 @@ def test_smollm2_is_converted_once_then_read_from_the_cache(monkeypatch):
     def no_conversion(*args, **kwargs):
         raise AssertionError("the cached copy should have been used")
 
-    monkeypatch.setattr(kvmodels, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(kvmodels, "convert_gguf", no_conversion)
     model, tok = load_model("smollm2-135m")
     cfg = model.config
     assert cfg.model_type == "llama" and "quantization_config" not in cfg.to_dict()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvcore.errors import InvalidArgumentError
+from kvcore.scaleout.policies import make_router
 from kvcore.scaleout.router import (
     PowerOfTwoRouter,
     PrefixRouter,
     RandomRouter,
     ReplicaTree,
-    make_router,
 )
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from kvcore import InvalidArgumentError
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 from kvcore.engine.sampler import Sampler, mix_seed
 
 VOCAB = 50

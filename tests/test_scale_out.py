@@ -53,7 +53,7 @@ def complete(url: str, prompt: list[int], max_tokens: int, **extra) -> httpx.Res
 
 def test_greedy_through_replicas_equals_generate(app_url):
     from kvcore import LLM
-    from kvcore.outputs import SamplingParams
+    from kvcore.params import SamplingParams
 
     prompts = [SHARED + [7, 8, 9], SHARED + [10, 11], list(range(300, 340)), SHARED + [7, 8, 9]]
     got = []
@@ -86,7 +86,7 @@ def test_greedy_through_replicas_equals_generate(app_url):
 def test_rays_prefix_router_sees_the_prompt_and_outputs_equal_generate(app_url):
     """``--router ray-prefix``: Ray's PrefixCacheAffinityRouter reads ``RoutedRequest.prompt``."""
     from kvcore import LLM
-    from kvcore.outputs import SamplingParams
+    from kvcore.params import SamplingParams
 
     app = build_app(ENGINE, replicas=2, router="ray-prefix", hub_name="hub-r")
     serve.run(app, name="r", route_prefix="/r")
@@ -171,7 +171,7 @@ def test_disaggregated_prefill_through_the_shared_tier(app_url, tmp_path):
     import shutil
 
     from kvcore import LLM
-    from kvcore.outputs import SamplingParams
+    from kvcore.params import SamplingParams
     from tier_fixtures import RedisServer
 
     binary = shutil.which("redis-server")

@@ -30,7 +30,7 @@ from kvcore.errors import (
 _LAZY = {
     "LLM": "kvcore.entrypoints.llm",
     "LLMEngine": "kvcore.engine.llm_engine",
-    "SamplingParams": "kvcore.outputs",
+    "SamplingParams": "kvcore.params",
     "RequestOutput": "kvcore.outputs",
     "CompletionOutput": "kvcore.outputs",
     "RequestMetrics": "kvcore.outputs",

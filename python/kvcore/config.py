@@ -185,9 +185,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         self._check_tiers()
-        from kvcore.retention.spec import parse_retention
-
-        parse_retention(self.retention)  # RetentionError (an InvalidArgumentError) when bad
+        # The policy's grammar is checked by the engine's builder (kvcore.retention.spec).
+        if not isinstance(self.retention, str):
+            raise InvalidArgumentError(f"retention must be a string, got {self.retention!r}")
         if not isinstance(self.sliding_window_release, bool):
             raise InvalidArgumentError(
                 f"sliding_window_release must be a bool, got {self.sliding_window_release!r}"

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.errors import KvCoreError, UnknownRequestError
-from kvcore.outputs import RequestOutput, SamplingParams
+from kvcore.outputs import RequestOutput
+from kvcore.params import SamplingParams
 
 log = logging.getLogger("kvcore.scaleout")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcore.errors import InvalidArgumentError
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 
 # generation_config field -> SamplingParams field
 _FIELDS = {

@@ -14,7 +14,7 @@ from kvcore_kernels import KernelConfigError
 from kvcore_kernels.cache import check_backend
 
 from kvcore.errors import InvalidArgumentError, TooLongError
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 
 PromptType = str | Sequence[int]
 

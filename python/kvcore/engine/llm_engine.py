@@ -4,14 +4,16 @@ One ``step()``: ``schedule()`` (one call into Rust) → one forward → one vect
 ``update(step_id, tokens)`` (one call into Rust) → outputs. Python work per step is one short
 loop over the sampled rows (append the token, stamp its time); detokenization runs per token only
 for requests that stream or have stop strings, everyone else is decoded once when done.
-
-The step loop (``step``, ``run``, ``stream``) is in ``engine_step.py``.
+Construction (settings → model, sizes, scheduler, runner, tiers) is ``kvcore.engine.builder``.
 
 Threads: every public method may be called from any thread. ``add_request(s)`` and
 ``abort_request`` take a short lock (never held during a forward), so submitters do not wait for
-a busy stepper; ``step()`` calls run one at a time. A step that fails aborts the requests it
-scheduled (``RequestOutput.error`` says why), closes itself in the scheduler and raises: the
-engine keeps serving everyone else.
+a busy stepper; ``step()`` calls run one at a time. The forward runs outside the state lock, so
+other threads can add and abort requests meanwhile: no block is allocated before the next
+``schedule()``, and rows of requests aborted during the forward are neither sampled nor applied
+(the scheduler skips them). A step that raises aborts the requests it scheduled (their KV
+computed in earlier steps stays cached; ``RequestOutput.error`` says why), closes itself in the
+scheduler and re-raises: the engine keeps serving everyone else.
 """
 
 from __future__ import annotations
@@ -21,152 +23,58 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
-from kvcore_kernels import KernelConfigError
 
-from kvcore.config import CacheConfig, SchedulerConfig, resolve_device
+from kvcore.engine.args import EngineArgs
+from kvcore.engine.builder import build
 from kvcore.engine.inputs import (
     PromptType,
     broadcast,
-    check_engine_args,
     check_prompt,
-    eos_ids,
     priorities,
     prompt_ids,
 )
-from kvcore.engine.step_loop import StepLoop
+from kvcore.engine.request import Request, salt_namespace, submit
 from kvcore.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
+    KvCoreError,
+    StepFailedError,
     UnknownRequestError,
 )
-from kvcore.retention.h2o import H2OTracker
-from kvcore.runner.model_runner import (
-    ModelRunner,
-    kivi_residual_bytes,
-    kivi_residual_slots,
-    kv_bytes_per_block,
-)
-from kvcore.models.loader import load_model
-from kvcore.outputs import RequestOutput, SamplingParams
-from kvcore.tools.report import EngineStats
-from kvcore.engine.request import Request, build_scheduler, salt_namespace, submit
-from kvcore.retention.release import (
-    RetentionSupport,
-    engine_groups,
-    exact_release_window,
-    kernels_take_null_entries,
-)
-from kvcore.engine.sampler import Sampler
-from kvcore.tiers.build import build_tier_manager, tier_scheduler_args
+from kvcore.outputs import RequestOutput
+from kvcore.params import SamplingParams
 
 log = logging.getLogger("kvcore")
 
 
-class LLMEngine(StepLoop):
-    """Serves requests on a transformers model over kvcore's paged KV cache."""
+class LLMEngine:
+    """Serves requests on a model over kvcore's paged KV cache."""
 
-    def __init__(
-        self,
-        model: Any = "smollm2-135m",
-        *,
-        tokenizer: Any = None,
-        cache_config: CacheConfig | None = None,
-        scheduler_config: SchedulerConfig | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device | None = None,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        kernel_backend: str = "auto",
-        enforce_eager: bool = False,
-        compile: bool | None = None,
-    ):
-        self.cache_config = cache_config or CacheConfig()
-        self.scheduler_config = scheduler_config or SchedulerConfig()
-        for name, value, cls in (
-            ("cache_config", self.cache_config, CacheConfig),
-            ("scheduler_config", self.scheduler_config, SchedulerConfig),
-        ):
-            if not isinstance(value, cls):
-                raise InvalidArgumentError(f"{name} must be a {cls.__name__}, got {value!r}")
-        dev = resolve_device(device)
-        check_engine_args(seed, kernel_backend, dev)
-        if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len > 1):
-            raise InvalidArgumentError(f"max_model_len must be an int > 1, got {max_model_len!r}")
-        self.model, self.tokenizer = load_model(
-            model, tokenizer, dtype=dtype, device=dev, seed=seed
-        )
-        config = self.model.config
-        self.vocab_size = int(config.vocab_size)
-        limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
-        self.max_model_len = min(max_model_len or limit, limit)
-        cc, sc = self.cache_config, self.scheduler_config
-        kv_dtype = cc.kv_dtype(self.model.dtype)
-        block_size = cc.block_size
-        formats = cc.layer_formats(int(config.num_hidden_layers))
-        residual_slots = kivi_residual_slots(
-            sc.max_num_seqs, sc.max_num_batched_tokens, block_size, cc.kivi_window
-        )
-        try:
-            bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, formats)
-            reserved = kivi_residual_bytes(config, block_size, kv_dtype, formats, residual_slots)
-        except KernelConfigError as e:
-            raise InvalidArgumentError(f"kv_format: {e}") from None
-        # Retention (docs/retention.md): policies are checked before anything runs; a hybrid
-        # model's KV cache groups make a block hold one group's layers.
-        self.retention = RetentionSupport(cc.retention, block_size, formats, config)
-        self.h2o = H2OTracker(block_size)
-        self.sliding_window = exact_release_window(config, cc.sliding_window_release, formats)
-        self.kv_groups = engine_groups(config, cc, formats)
-        if self.kv_groups is not None:
-            g = self.kv_groups.size
-            bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, formats[:g])
-        num_blocks = cc.resolve_num_blocks(bytes_per_block, dev, reserved)
-        self.eos_token_ids = eos_ids(self.model, self.tokenizer)
-        tier_args, codec = tier_scheduler_args(cc, sc, self.model, bytes_per_block, formats)
-        self.scheduler = build_scheduler(
-            num_blocks,
-            self.cache_config,
-            self.scheduler_config,
-            self.max_model_len,
-            self.eos_token_ids[0] if self.eos_token_ids else None,
-            sliding_window=self.sliding_window,
-            group_windows=None if self.kv_groups is None else list(self.kv_groups.windows[1:]),
-            **tier_args,
-        )
-        try:
-            self.runner = ModelRunner(
-                self.model,
-                num_blocks=num_blocks,
-                block_size=block_size,
-                kv_dtype=kv_dtype,
-                kv_formats=formats,
-                kv_scale=cc.kv_scale,
-                num_residual_blocks=min(residual_slots, num_blocks),
-                kivi_window=cc.kivi_window,
-                backend=kernel_backend,
-                enforce_eager=enforce_eager,
-                compile=compile,
-                max_num_seqs=sc.max_num_seqs,
-                max_model_len=self.max_model_len,
-                kv_groups=self.kv_groups,
-            )
-        except KernelConfigError as e:  # e.g. int4 on a head dim that is not a multiple of 32
-            raise InvalidArgumentError(f"kv_format {cc.kv_format!r}: {e}") from None
-        # Kernels that cannot take null entries get the released ones filled (never read).
-        releases = self.sliding_window > 0 or self.kv_groups is not None
-        self.runner.fill_released = releases and not kernels_take_null_entries()
-        self.tiers = None  # KV tiers (kvcore.tiers): L2 host, L3 disk, L4 Redis
-        if codec is not None:
-            self.tiers = build_tier_manager(
-                cc, self.runner.kv_caches, tier_args["host_blocks"], codec
-            )
-            self.runner.tier_hook = self.tiers.apply
-        self.sampler = Sampler(self.vocab_size, dev, seed=seed)
-        self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
+    def __init__(self, args: EngineArgs | Any = None, /, **kwargs: Any):
+        """``LLMEngine(EngineArgs(...))``, or the fields as keywords: ``LLMEngine(model, ...)``
+        (``kvcore.engine.args.EngineArgs`` lists them; an unknown one is refused)."""
+        if not isinstance(args, EngineArgs):
+            if args is not None:
+                kwargs["model"] = args
+            args = EngineArgs.from_kwargs(**kwargs)
+        elif kwargs:
+            args = EngineArgs.from_kwargs(**{**vars(args), **kwargs})
+        self.args = args
+        parts = build(args)
+        self.cache_config = parts.cache_config
+        self.scheduler_config = parts.scheduler_config
+        self.model, self.tokenizer = parts.model, parts.tokenizer
+        self.vocab_size, self.max_model_len = parts.vocab_size, parts.max_model_len
+        self.retention, self.h2o = parts.retention, parts.h2o
+        self.sliding_window, self.kv_groups = parts.sliding_window, parts.kv_groups
+        self.eos_token_ids = parts.eos_token_ids
+        self.scheduler, self.runner, self.tiers = parts.scheduler, parts.runner, parts.tiers
+        self.sampler, self.stats = parts.sampler, parts.stats
         self._requests: dict[int, Request] = {}  # internal id -> request
         self._ids: dict[str, int] = {}  # user request id -> internal id
         self._next_id = itertools.count()
@@ -300,3 +208,226 @@ class LLMEngine(StepLoop):
         swap-outs/ins); empty without tiers."""
         with self._lock:
             return {} if self.tiers is None else self.tiers.figures(self.scheduler)
+
+    # ---- the step loop ------------------------------------------------------------------
+
+    def _abort_locked(self, internal: list[int], error: str | None = None) -> list[RequestOutput]:
+        self._note_peaks(self.scheduler.abort_requests(np.asarray(internal, np.int64)))
+        now = time.perf_counter()
+        for i in internal:
+            self._requests[i].finish_all("abort", now)
+            self._requests[i].error = error
+        return [self._retire(i, now) for i in internal]
+
+    def _note_peaks(self, fin: Any) -> None:
+        """Each finished sample's peak KV blocks into its request (``peak_kv_blocks``)."""
+        if not fin.num_finished:
+            return
+        for rid, peak in zip(fin.req_ids.tolist(), fin.peak_blocks.tolist(), strict=True):
+            req = self._requests.get(rid)
+            if req is not None:
+                req.peak_kv_blocks = max(req.peak_kv_blocks, int(peak))
+
+    def _abort_later(self, request_id: str) -> None:
+        """Abort ``request_id`` if it is still running: now when the engine is free, else at
+        the start of the next step (safe from a finalizer, whatever thread or lock it runs in)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if request_id in self._ids:
+                    self._abort_locked([self._ids[request_id]])
+            finally:
+                self._lock.release()
+        else:
+            self._deferred_aborts.append(request_id)
+
+    def _drain_deferred_aborts(self) -> None:
+        while self._deferred_aborts:
+            rid = self._deferred_aborts.popleft()
+            if rid in self._ids:
+                self._abort_locked([self._ids[rid]])
+
+    def has_unfinished_requests(self) -> bool:
+        """True while some request is queued or running."""
+        with self._lock:
+            return bool(self._requests) or bool(self._deferred_aborts)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests queued or running."""
+        with self._lock:
+            return len(self._requests)
+
+    def all_blocks_free(self) -> bool:
+        """True when every block is back in the pool (free or cached, none referenced)."""
+        with self._lock:
+            return int(self.scheduler.stats().num_free_blocks) == self.runner.num_blocks - 1
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns outputs of finished requests and of streaming ones that grew.
+
+        Steps run one at a time (a second thread calling ``step`` waits for the first). If the
+        step fails (an exception in the forward or sampling, Ctrl-C), the requests it had
+        scheduled are aborted with ``RequestOutput.error`` set, every block comes back, and the
+        error is raised (``StepFailedError``; ``KeyboardInterrupt`` as it is): the engine goes
+        on serving the other requests."""
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        forward_before = self.runner.forward_seconds
+        with self._lock:
+            self._drain_deferred_aborts()
+            if self.tiers is not None:  # fetched blocks into L2 before admission looks
+                self.tiers.before_schedule(self.scheduler, self.runner.forward_seconds)
+            plan = self.scheduler.schedule()
+            self.stats.observe_plan(plan, self.scheduler)
+            if len(plan.input_ids) == 0:
+                if self.tiers is not None:
+                    self.tiers.apply(plan)  # moves and fetches of a step with no forward
+                self.scheduler.update(plan.step_id, np.zeros(0, np.int64))
+                if self.tiers is not None and self.tiers.num_fetching:
+                    time.sleep(0.0005)  # only waiting for background fetches
+                return []
+            if self._unscheduled:
+                self._stamp_new(plan, start)
+            mass = self.h2o.mass_tensor(plan, self.runner.device)
+        try:
+            # Outside the lock: other threads may add or abort requests during the forward
+            # (no block is allocated before the next schedule(); aborted rows are skipped).
+            logits = self.runner.execute(plan, plan.logits_indices, block_mass=mass)
+            with self._lock:
+                outputs, num_rows = self._finish_step(plan, logits, mass)
+        except BaseException as exc:
+            self._fail_step(plan, exc)
+            raise
+        self.stats.observe_step(
+            time.perf_counter() - start, self.runner.forward_seconds - forward_before, num_rows
+        )
+        return outputs
+
+    def _stamp_new(self, plan: Any, start: float) -> None:
+        """Requests scheduled for the first time: queue time and prefix-cache hit length."""
+        reqs = self._requests
+        first = np.isin(plan.req_ids, np.fromiter(self._unscheduled, np.int64))
+        starts = np.asarray(plan.query_start_loc)[:-1][first]
+        # A new request's first computed position is its prefix-cache hit length.
+        hits = np.asarray(plan.positions)[starts].tolist()
+        for rid, hit in zip(plan.req_ids[first].tolist(), hits, strict=True):
+            if rid in self._unscheduled:
+                reqs[rid].metrics.first_scheduled_time = start
+                reqs[rid].num_cached_tokens = int(hit)
+                self._unscheduled.discard(rid)
+
+    def _finish_step(
+        self, plan: Any, logits: torch.Tensor, mass: torch.Tensor | None = None
+    ) -> tuple[list[RequestOutput], int]:
+        reqs = self._requests
+        sample_rids = plan.sample_req_ids.tolist()
+        sample_idx = plan.sample_seq_index.tolist()
+        # Rows of requests aborted during the forward are not sampled (their sampler slots
+        # may already serve someone else); the scheduler ignores their tokens.
+        live = [k for k, r in enumerate(sample_rids) if r in reqs]
+        if len(live) < len(sample_rids):
+            logits = logits[torch.as_tensor(live, dtype=torch.long, device=logits.device)]
+            sample_rids = [sample_rids[k] for k in live]
+            sample_idx = [sample_idx[k] for k in live]
+        rows = [reqs[r].samples[i] for r, i in zip(sample_rids, sample_idx, strict=True)]
+        slots = np.fromiter((s.slot for s in rows), np.int64, len(rows))
+        counts = np.fromiter((len(s.token_ids) for s in rows), np.int64, len(rows))
+        out = self.sampler.sample(logits, slots, counts)
+        tokens = out.token_ids
+        if len(live) < len(plan.sample_req_ids):
+            tokens = np.zeros(len(plan.sample_req_ids), np.int64)
+            tokens[live] = out.token_ids
+        drops = self.h2o.drops(plan, mass)  # H2O: blocks to give up (kvcore.retention.h2o)
+        fin = self.scheduler.update(plan.step_id, tokens, drop_blocks=drops if len(drops) else None)
+        now = time.perf_counter()
+        touched = Request.record(reqs, sample_rids, rows, out, now)
+        done = set()  # requests the scheduler no longer holds
+        if fin.num_finished:
+            self._note_peaks(fin)
+            for rid, index, reason, toks in fin.outputs():
+                reqs[rid].finish_sample(index, reason, toks, now)
+            done.update(fin.req_ids[fin.request_done].tolist())
+            touched.extend(fin.req_ids.tolist())
+        # Requests whose every sample has ended, some on a stop string the scheduler cannot
+        # see: abort them there so their blocks come back now.
+        ended = [i for i in dict.fromkeys(touched) if i not in done and reqs[i].all_finished()]
+        if ended:
+            self._note_peaks(self.scheduler.abort_requests(np.asarray(ended, np.int64)))
+            done.update(ended)
+        outputs = [self._retire(i, now) for i in done]
+        for i in dict.fromkeys(touched):
+            req = reqs.get(i)
+            if req is not None and req.stream:
+                outputs.append(req.output(finished=False))
+                if req.sink is not None:
+                    req.sink(outputs[-1])
+        return outputs, len(rows)
+
+    def _fail_step(self, plan: Any, exc: BaseException) -> None:
+        """Abort the failed step's requests and close the step, so the engine keeps serving."""
+        reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else repr(exc)
+        message = f"step {plan.step_id} failed: {reason}"
+        with self._lock:
+            victims = [i for i in dict.fromkeys(plan.req_ids.tolist()) if i in self._requests]
+            if self.scheduler.outstanding_step == plan.step_id:
+                self._abort_locked(victims, message)
+                self.scheduler.update(plan.step_id, np.zeros(len(plan.sample_req_ids), np.int64))
+            else:  # it failed after update(): some victims may be finished in the scheduler
+                for i in victims:
+                    try:
+                        self._abort_locked([i], message)
+                    except UnknownRequestError:
+                        now = time.perf_counter()
+                        self._requests[i].finish_all("abort", now)
+                        self._requests[i].error = message
+                        self._retire(i, now)
+        log.warning("kvcore: %s; its %d request(s) were aborted", message, len(victims))
+        if not isinstance(exc, KvCoreError) and isinstance(exc, Exception):
+            raise StepFailedError(message) from exc
+
+    def _retire(self, internal_id: int, now: float) -> RequestOutput:
+        req = self._requests.pop(internal_id)
+        self.h2o.forget(internal_id)
+        del self._ids[req.request_id]
+        self._unscheduled.discard(internal_id)
+        req.release(self.sampler)
+        req.metrics.finished_time = now
+        self.stats.num_finished += 1
+        out = req.output(finished=True)
+        if req.sink is not None:
+            req.sink(out)  # under the lock: the output is there before anyone sees it gone
+        return out
+
+    def run(self) -> Iterator[RequestOutput]:
+        """Step until every request is done, yielding outputs as they come (streaming form)."""
+        while self.has_unfinished_requests():
+            yield from self.step()
+
+    def stream(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        **kwargs: Any,
+    ) -> Iterator[RequestOutput]:
+        """Add one streaming request and yield its outputs until it finishes (other requests
+        keep being served by the same steps). Closing the iterator early (``close()``,
+        ``break`` then garbage collection) aborts the request and frees its blocks.
+        ``kwargs``: ``request_id``, ``priority``, ``cache_salt`` as in ``add_request``."""
+        queue: collections.deque[RequestOutput] = collections.deque()
+        rid = self.add_request(prompt, params, stream=True, _sink=queue.append, **kwargs)
+        finished = False
+        try:
+            while not finished:
+                if queue:
+                    out = queue.popleft()
+                    finished = out.finished
+                    yield out
+                elif rid in self._ids:
+                    self.step()
+                else:
+                    return  # ended without a final output (cannot happen; never spin)
+        finally:
+            if not finished:
+                self._abort_later(rid)

@@ -17,9 +17,10 @@ import numpy as np
 from kvcore import _kvcore
 from kvcore.config import CacheConfig, SchedulerConfig
 from kvcore.engine.detokenizer import IncrementalDetokenizer
-from kvcore.errors import InvalidArgumentError
-from kvcore.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from kvcore.engine.sampler import Sampler, SamplerOutput
+from kvcore.errors import InvalidArgumentError
+from kvcore.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvcore.params import SamplingParams
 
 
 def build_scheduler(

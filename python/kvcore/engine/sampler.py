@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -8,12 +8,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from kvcore.config import CacheConfig, SchedulerConfig
+from kvcore.engine.args import EngineArgs
 from kvcore.engine.llm_engine import LLMEngine
 from kvcore.errors import InvalidArgumentError, InvariantError, KvCoreError, StepFailedError
-from kvcore.outputs import RequestOutput, SamplingParams
+from kvcore.outputs import RequestOutput
+from kvcore.params import SamplingParams
 
 
 def _normalize_prompts(prompts: Any) -> list[str | list[int]]:
@@ -42,82 +41,15 @@ class LLM:
     """Offline inference on a transformers model with kvcore's paged KV cache.
 
     ``model`` is ``"smollm2-135m"`` (the embedded default), ``"tiny-llama"``, a local checkpoint
-    directory or a loaded ``PreTrainedModel``. Cache and scheduler options are the fields of
-    ``CacheConfig`` and ``SchedulerConfig`` (or pass the objects).
+    directory or a loaded ``PreTrainedModel``. Every other setting is a field of ``EngineArgs``
+    (declared once there, with the CLI flags derived from it).
     """
 
-    def __init__(
-        self,
-        model: Any = "smollm2-135m",
-        *,
-        tokenizer: Any = None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_memory_bytes: int | None = None,
-        kv_format: str | Sequence[str] = "auto",
-        kv_scale: float | None = None,
-        kivi_window: int = 0,
-        prefix_caching: str = "radix",
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        long_prefill_token_threshold: int = 0,
-        enable_chunked_prefill: bool = True,
-        policy: str = "fcfs",
-        host_kv_bytes: int = 0,
-        disk_path: str | None = None,
-        disk_bytes: int = 1 << 30,
-        remote_url: str | None = None,
-        preemption: str = "auto",
-        prefix_hash: str = "xxh3",
-        retention: str = "full",
-        sliding_window_release: bool = True,
-        cache_config: CacheConfig | None = None,
-        scheduler_config: SchedulerConfig | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device | None = None,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        kernel_backend: str = "auto",
-        enforce_eager: bool = False,
-        compile: bool | None = None,
-    ):
-        cache_config = cache_config or CacheConfig(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_memory_bytes=kv_memory_bytes,
-            kv_format=kv_format,
-            kv_scale=kv_scale,
-            kivi_window=kivi_window,
-            prefix_caching=prefix_caching,
-            host_kv_bytes=host_kv_bytes,
-            disk_path=disk_path,
-            disk_bytes=disk_bytes,
-            remote_url=remote_url,
-            prefix_hash=prefix_hash,
-            retention=retention,
-            sliding_window_release=sliding_window_release,
-        )
-        scheduler_config = scheduler_config or SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            enable_chunked_prefill=enable_chunked_prefill,
-            policy=policy,
-            preemption=preemption,
-        )
-        self.engine = LLMEngine(
-            model,
-            tokenizer=tokenizer,
-            cache_config=cache_config,
-            scheduler_config=scheduler_config,
-            dtype=dtype,
-            device=device,
-            max_model_len=max_model_len,
-            seed=seed,
-            kernel_backend=kernel_backend,
-            enforce_eager=enforce_eager,
-            compile=compile,
-        )
+    def __init__(self, model: Any = "smollm2-135m", **kwargs: Any):
+        """``kwargs``: the fields of ``kvcore.engine.args.EngineArgs`` (block_size, kv_format,
+        max_num_seqs, dtype, device, ...; or ``cache_config`` / ``scheduler_config`` objects).
+        An unknown name is refused with ``InvalidArgumentError``."""
+        self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
 
     def get_tokenizer(self) -> Any:
         """The tokenizer (None for a model given without one)."""

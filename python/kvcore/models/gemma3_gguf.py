@@ -97,7 +97,7 @@ def _join_parts(parts: list[Path], dest: Path) -> None:
 
 def gemma3_checkpoint() -> Path:
     """The converted Gemma-3-270M checkpoint directory, converting on first use."""
-    from kvcore.models.loader import _convert_gguf, cache_dir
+    from kvcore.models.gguf import cache_dir, convert_gguf
 
     parts = gguf_parts()
     dest = cache_dir() / f"gemma3-270m-{GGUF_SHA256[:12]}"
@@ -108,7 +108,7 @@ def gemma3_checkpoint() -> Path:
     try:
         gguf = work / GGUF_FILE
         _join_parts(parts, gguf)
-        _convert_gguf(gguf, dest, extra_files={"NOTICE": NOTICE})
+        convert_gguf(gguf, dest, extra_files={"NOTICE": NOTICE})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return dest

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcore.scaleout.policies import make_router
 from kvcore.scaleout.router import (
     PowerOfTwoRouter,
     PrefixRouter,
     RandomRouter,
     ReplicaTree,
-    make_router,
 )
 
 

@@ -27,7 +27,7 @@ from ray import serve
 from kvcore.entrypoints.openai import responses, serving
 from kvcore.entrypoints.openai.protocol import ApiError
 from kvcore.entrypoints.openai.protocol import parse_body as _parse
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 from kvcore.scaleout.ray_ingress import PARSERS, RoutedRequest, make_ingress
 
 ROUTERS = {  # --router: (request router class, its kwargs)
@@ -65,11 +65,30 @@ class MetricsHub:
         return self.latest
 
 
+def replica_parser() -> Any:
+    """The flags a replica reads from ``kvcore serve``'s argv: the engine's and the server's
+    (scale-out's own flags are the driver's; they are ignored here)."""
+    import argparse
+
+    from kvcore.engine.args import EngineArgs
+    from kvcore.entrypoints.openai.args import add_server_args
+
+    p = argparse.ArgumentParser(prog="kvcore serve (replica)")
+    EngineArgs.add_cli_args(p)
+    add_server_args(p)
+    return p
+
+
+def _replica_flags(argv: list[str]) -> Any:
+    return replica_parser().parse_known_args(list(argv))[0]
+
+
 def _state_for(args: Any) -> serving.ServerState:
-    from kvcore.entrypoints.cli.main import _make_llm
+    from kvcore.engine.args import EngineArgs
+    from kvcore.engine.llm_engine import LLMEngine
     from kvcore.entrypoints.openai.server import make_state
 
-    return make_state(_make_llm(args), args)
+    return make_state(LLMEngine(EngineArgs.from_cli_args(args)), args)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -77,9 +96,7 @@ class EngineReplica:
     """One engine (``kvcore serve``'s AsyncEngine over an LLM) serving routed requests."""
 
     def __init__(self, argv: list[str], hub_name: str, push_s: float = 1.0):
-        from kvcore.entrypoints.cli.serve import serve_parser
-
-        self.state = _state_for(serve_parser().parse_args(argv))
+        self.state = _state_for(_replica_flags(argv))
         ctx = serve.get_replica_context()
         self.name = ctx.replica_id.unique_id
         self.actor_name = ray.get_runtime_context().get_actor_name()
@@ -180,13 +197,11 @@ def build_app(
     (``--remote-url`` and ``--host-kv-mb`` required) and the N replicas decode."""
     from ray.serve.config import RequestRouterConfig
 
-    from kvcore.entrypoints.cli.serve import serve_parser
-
     if prefill_replicas < 0:
         raise ValueError(f"prefill_replicas must be >= 0, got {prefill_replicas}")
     if prefill_replicas:
-        flags = serve_parser().parse_args(list(argv))
-        if not flags.remote_url or flags.host_kv_mb <= 0:
+        flags = _replica_flags(argv)
+        if not flags.remote_url or flags.host_kv_bytes <= 0:
             raise ValueError(
                 "disaggregated prefill needs the shared tier: --remote-url redis://... and "
                 "--host-kv-mb > 0 in the replicas' flags"

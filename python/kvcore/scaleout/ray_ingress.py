@@ -61,7 +61,7 @@ _RAY_FAILURES: tuple[type[BaseException], ...] = (
 
 def make_ingress(api_key: str | None, hub_name: str, stale_s: float = 10.0):
     """The ingress deployment class (a FastAPI app bound to the engine deployment's handle)."""
-    from kvcore.entrypoints.openai.server import _authorize, _body
+    from kvcore.entrypoints.openai.server import authorize, read_body
 
     app = FastAPI(title="kvcore", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -75,8 +75,8 @@ def make_ingress(api_key: str | None, hub_name: str, stale_s: float = 10.0):
             self.hub = ray.get_actor(hub_name)
 
         async def _send(self, request: Request, kind: str) -> Response:
-            _authorize(self.state, request)
-            raw = await _body(self.state, request)
+            authorize(self.state, request)
+            raw = await read_body(self.state, request)
             parsed = _parse(PARSERS[kind], raw)
             prepare = serving.prepare_chat if kind == "chat" else serving.prepare_completion
             job = prepare(self.state, parsed)  # 400/404 here, before any replica works
@@ -123,7 +123,7 @@ def make_ingress(api_key: str | None, hub_name: str, stale_s: float = 10.0):
         @app.get("/v1/models")
         async def models(self, request: Request) -> Response:
             try:
-                _authorize(self.state, request)
+                authorize(self.state, request)
             except ApiError as e:
                 return JSONResponse(e.body(), status_code=e.status)
             card = {"id": self.state.model_name, "object": "model", "created": 0}

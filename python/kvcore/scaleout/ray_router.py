@@ -27,7 +27,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from kvcore.scaleout.router import make_router
+from kvcore.scaleout.policies import make_router
 
 log = logging.getLogger("kvcore.scaleout")
 

@@ -174,22 +174,3 @@ class PrefixRouter:
     def remove_replica(self, replica: ReplicaId) -> None:
         """Drop a dead (or removed) replica's tree: a restarted replica starts cold."""
         self.trees.pop(replica, None)
-
-
-ROUTERS = {"prefix": PrefixRouter, "p2c": PowerOfTwoRouter, "random": RandomRouter}
-MODELS = ("ray-prefix",)  # Ray's router's policy, in-process (serve/ray_model.py; needs Ray)
-
-
-def make_router(name: str, seed: int = 0, **kwargs):
-    """A router by name: ``prefix`` (kwargs go to PrefixRouter), ``p2c``, ``random``, or
-    ``ray-prefix`` (the model of Ray's PrefixCacheAffinityRouter; kwargs go to it)."""
-    if name == "ray-prefix":
-        from kvcore.scaleout.ray_model import RayPrefixModel
-
-        return RayPrefixModel(seed=seed, **kwargs)
-    if name not in ROUTERS:
-        names = sorted([*ROUTERS, *MODELS])
-        raise InvalidArgumentError(f"unknown router {name!r}: one of {names}")
-    if name == "prefix":
-        return PrefixRouter(seed=seed, **kwargs)
-    return ROUTERS[name](seed=seed)

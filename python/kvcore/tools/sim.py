@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else argv
     if any(a == "--replicas" or a.startswith("--replicas=") for a in argv):
-        from kvcore import sim_cluster  # many replicas behind a router: its own simulator
+        from kvcore.tools import sim_cluster  # many replicas behind a router: its own simulator
 
         sim_cluster.main(argv)
         return

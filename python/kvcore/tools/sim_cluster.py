@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcore._kvcore import KvCacheManager
-from kvcore.scaleout.router import make_router
+from kvcore.scaleout.policies import make_router
 
 
 @dataclass

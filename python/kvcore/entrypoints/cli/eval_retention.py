@@ -63,10 +63,10 @@ def run(args: argparse.Namespace) -> None:
     """The retention gate (``args`` from ``kvcore eval-kv``'s parser)."""
     import torch
 
-    from kvcore.tools import eval_retention as er
-    from kvcore.tools.eval_kv import PagedLM
     from kvcore.models.loader import load_model
-    from kvcore.entrypoints.cli.plan import _emit, corpus_ids
+    from kvcore.tools import eval_retention as er
+    from kvcore.tools.corpus import corpus_ids
+    from kvcore.tools.eval_kv import PagedLM
 
     start = time.perf_counter()
     if args.threads:
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> None:
     if reindex:
         er.check_reindex(model)
     print(f"positions: {args.positions}")
-    _emit([("doc_tokens", len(doc), "tokens"), ("doc_offset", offset, "tokens"),
+    ca.emit_lines([("doc_tokens", len(doc), "tokens"), ("doc_offset", offset, "tokens"),
            ("chunk", chunk, "tokens")])  # fmt: skip
     cases = []
     if args.needle_contexts:
@@ -112,16 +112,16 @@ def run(args: argparse.Namespace) -> None:
             ppl, peak = er.stream_perplexity(lm, p, doc, chunk, reindex)
             base = ppl if p.kind == "full" and base is None else base
             row.update(ppl=ppl, peak=peak, dppl=100 * (ppl / base - 1))
-            _emit([(f"ppl_{name}", ppl, ""), (f"ppl_delta_pct_{name}", row["dppl"], "%"),
+            ca.emit_lines([(f"ppl_{name}", ppl, ""), (f"ppl_delta_pct_{name}", row["dppl"], "%"),
                    (f"peak_blocks_per_seq_{name}", peak, "blocks")])  # fmt: skip
         if cases:
             ok = er.needle(lm, tok, p, cases, chunk, reindex=reindex)
             row["needle"] = sum(ok) / len(ok)
-            _emit([(f"needle_{name}_{c.length}_{c.depth}", float(o), "pass")
+            ca.emit_lines([(f"needle_{name}_{c.length}_{c.depth}", float(o), "pass")
                    for c, o in zip(cases, ok, strict=True)])  # fmt: skip
-            _emit([(f"needle_acc_{name}", row["needle"], f"of {len(ok)}")])
-        _emit([(f"eval_seconds_{name}", time.perf_counter() - t0, "s")])
-    _emit([("eval_seconds", time.perf_counter() - start, "s")])
+            ca.emit_lines([(f"needle_acc_{name}", row["needle"], f"of {len(ok)}")])
+        ca.emit_lines([(f"eval_seconds_{name}", time.perf_counter() - t0, "s")])
+    ca.emit_lines([("eval_seconds", time.perf_counter() - start, "s")])
     print(table(rows, args.block_size))
 
 

@@ -11,7 +11,8 @@
 * ``kvcore plan`` / ``kvcore eval-kv``: capacity planner and quality gate of the quantized KV
   formats (``kvcore/entrypoints/cli/plan.py``).
 
-Bad arguments are refused while parsing (one line on stderr, exit 2, see ``kvcore.entrypoints.cli.args``).
+Bad arguments are refused while parsing (one line on stderr, exit 2, see
+``kvcore.entrypoints.cli.args``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import os
 import sys
 from typing import Any
 
+from kvcore.engine.args import EngineArgs
 from kvcore.entrypoints.cli import args as ca
-from kvcore.models.dtype import DTYPE_NAMES
 
 DESCRIPTION = """\
 kvcore: an LLM inference engine with a paged, prefix-shared and optionally quantized KV cache
@@ -44,92 +45,16 @@ tiny-gemma3 (sliding-window layers, random weights) or a local checkpoint folder
 has its own --help."""
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="smollm2-135m | gemma3-270m | tiny-llama | tiny-gemma3 | ... | a path",
-    )
-    p.add_argument(
-        "--device", type=ca.device, default=None, help="cpu | cuda | cuda:N (default: cuda if any)"
-    )
-    p.add_argument("--threads", type=ca.positive_int, default=None, help="torch intra-op threads")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_NAMES,
-        help="model (and KV) dtype; auto: the checkpoint's (fp32 for SmolLM2). bfloat16 is "
-        "~3x faster on CPUs with AMX/AVX512-BF16 (docs/serving.md)",
-    )
-    p.add_argument("--block-size", type=ca.positive_int, default=16, help="tokens per KV block")
-    p.add_argument(
-        "--num-blocks", type=ca.int_at_least(2), default=None, help="KV blocks (null included)"
-    )
-    p.add_argument(
-        "--kv-memory-mb",
-        type=ca.positive_int,
-        default=None,
-        help="KV budget in MiB (default: generate sizes it to the request; run takes "
-        "min(1 GiB, 25%% of the available RAM) on the CPU, 80%% of free GPU memory on CUDA)",
-    )
-    p.add_argument(
-        "--kv-format",
-        type=ca.name_list,
-        default=["auto"],
-        help="KV storage: auto | float16 | bfloat16 | fp8_e4m3 | int8 | int4 | kivi2 | ... "
-        "(a comma-separated list: one per layer)",
-    )
-    p.add_argument("--prefix-caching", default="radix", choices=["radix", "hash", "off"])
-    p.add_argument("--max-num-seqs", type=ca.positive_int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=ca.positive_int, default=2048)
-    p.add_argument(
-        "--no-chunked-prefill",
-        dest="chunked_prefill",
-        action="store_false",
-        help="compute each prompt in one step (needs a budget of --max-model-len tokens)",
-    )
-    p.add_argument("--max-model-len", type=ca.int_at_least(2), default=None)
-    p.add_argument("--seed", type=ca.non_negative_int, default=0)
-    # KV tiers (docs/tiers.md)
-    p.add_argument(
-        "--host-kv-mb", type=ca.non_negative_int, default=0, help="L2 host-memory KV tier, MiB"
-    )
-    p.add_argument("--disk-path", default=None, help="L3 disk tier directory")
-    p.add_argument("--disk-mb", type=ca.int_at_least(1), default=1024, help="L3 byte cap, MiB")
-    p.add_argument("--remote-url", default=None, help="L4 shared store, redis://host:port/db")
-    p.add_argument("--preemption", default="auto", choices=["auto", "recompute", "swap"])
-
-
 def _make_llm(args: argparse.Namespace, model: Any = None, tokenizer: Any = None, **kw: Any):
-    import torch
-
-    from kvcore.models.dtype import dtype_hint
+    """The ``LLM`` of parsed engine flags (``EngineArgs.add_cli_args``); ``model`` /
+    ``tokenizer`` / ``kw`` override them. Prints a hint when another dtype would be faster."""
     from kvcore.entrypoints.llm import LLM
+    from kvcore.models.dtype import dtype_hint
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    fmt = args.kv_format
-    llm = LLM(
-        args.model if model is None else model,
-        tokenizer=tokenizer,
-        block_size=args.block_size,
-        num_blocks=kw.get("num_blocks", args.num_blocks),
-        kv_memory_bytes=args.kv_memory_mb << 20 if args.kv_memory_mb else None,
-        kv_format=fmt[0] if len(fmt) == 1 else fmt,
-        prefix_caching=args.prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=args.chunked_prefill,
-        max_model_len=args.max_model_len,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        host_kv_bytes=args.host_kv_mb << 20,
-        disk_path=args.disk_path,
-        disk_bytes=args.disk_mb << 20,
-        remote_url=args.remote_url,
-        preemption=args.preemption,
-    )
+    if model is not None:
+        kw["model"] = model
+    engine_args = EngineArgs.from_cli_args(args, tokenizer=tokenizer, **kw)
+    llm = LLM(**vars(engine_args))
     hint = dtype_hint(args.dtype, llm.engine.model.dtype, llm.engine.runner.device)
     if hint:
         print(f"kvcore: {hint}", file=sys.stderr)
@@ -137,8 +62,8 @@ def _make_llm(args: argparse.Namespace, model: Any = None, tokenizer: Any = None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kvcore.tools.report import Row, format_table, rows_json, summarize
     from kvcore.entrypoints.cli.run_job import run_chat
+    from kvcore.tools.report import Row, format_table, rows_json, summarize
 
     llm = _make_llm(args)
     result = run_chat(llm, args)
@@ -203,7 +128,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model_max = model_sampling_defaults(model).get("max_tokens")
     max_tokens = args.max_tokens or model_max or 128
     extra = {}
-    if args.num_blocks is None and args.kv_memory_mb is None:
+    if args.num_blocks is None and args.kv_memory_bytes is None:
         prompt_len = len(prompt) if isinstance(prompt, list) else len(prompt.encode()) + 2
         extra["num_blocks"] = blocks_for_request(prompt_len, max_tokens, args.block_size)
     llm = _make_llm(args, model, tok, **extra)
@@ -263,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the built-in chat workload (24 conversations sharing a system prompt, "
         "follow-up turns, mixed prompt lengths) and print throughput, latency and cache figures.",
     )
-    _engine_args(run)
+    EngineArgs.add_cli_args(run)
     run.add_argument("--conversations", type=ca.positive_int, default=24)
     run.add_argument("--temperature", type=ca.float_in(0.0), default=0.0)
     run.add_argument(
@@ -286,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(temperature, top-p, top-k, min-p, repetition penalty); flags override it.",
     )
     gen.add_argument("prompt")
-    _engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     gen.add_argument(
         "--max-tokens", type=ca.positive_int, default=None, help="default: the model's, else 128"
     )

@@ -16,8 +16,9 @@ from typing import Any
 
 from kvcore.entrypoints.cli import args as ca
 from kvcore.entrypoints.cli import eval_retention as retention_cli
-from kvcore.models.dtype import DTYPE_NAMES
 from kvcore.errors import KvCoreError
+from kvcore.models.dtype import DTYPE_NAMES
+from kvcore.tools.corpus import corpus_ids
 
 DEFAULT_EVAL_FORMATS = "fp8_e4m3,fp8_e5m2,int8,int4,kivi4,kivi2,int2"
 
@@ -57,13 +58,6 @@ def plan_main(argv: list[str] | None = None) -> int:
         )
         print(format_table(geom, rows, args.memory))
     return status[0]
-
-
-def corpus_ids(tokenizer: Any) -> list[int]:
-    """Real English text shipped with Python (``pydoc_data.topics``), tokenized."""
-    from pydoc_data.topics import topics
-
-    return tokenizer("\n".join(topics[k] for k in sorted(topics))).input_ids
 
 
 def _eval_parser() -> argparse.ArgumentParser:
@@ -131,9 +125,9 @@ def _eval(args: argparse.Namespace) -> None:
     from kvcore_kernels.errors import KernelConfigError
     from kvcore_kernels.quant import check_format
 
+    from kvcore.models.loader import load_model
     from kvcore.tools import eval_kv as ev
     from kvcore.tools.mixed_precision import assign_mix
-    from kvcore.models.loader import load_model
     from kvcore.tools.planner import geometry, layer_bytes_per_token
 
     start = time.perf_counter()
@@ -193,20 +187,20 @@ def _eval(args: argparse.Namespace) -> None:
             (f"bytes_per_token_{name}", sum(per_layer), "B"),
             (f"ratio_vs_fp16_{name}", sum(per_layer) / fp16, "x"),
         ]
-    _emit(lines)
+    ca.emit_lines(lines)
     phase = time.perf_counter()
     base = None
     for name, spec in specs.items():
         ppl = ev.perplexity(lm, spec, ppl_seqs, args.chunk)
         base = ppl if base is None else base
         table[name].update(ppl=ppl, dppl=100 * (ppl / base - 1))
-        _emit([(f"ppl_{name}", ppl, ""), (f"ppl_delta_pct_{name}", table[name]["dppl"], "%")])
+        ca.emit_lines([(f"ppl_{name}", ppl, ""), (f"ppl_delta_pct_{name}", table[name]["dppl"], "%")])
     phase = _phase("ppl", phase)
     reference = ev.greedy_reference(lm, prompts, args.gen)
     for name, spec in specs.items():
         agree = 100 * ev.agreement(lm, spec, prompts, reference)
         table[name]["agree"] = agree
-        _emit([(f"agreement_{name}", agree, f"% of {len(prompts)}x{args.gen} greedy tokens")])
+        ca.emit_lines([(f"agreement_{name}", agree, f"% of {len(prompts)}x{args.gen} greedy tokens")])
     phase = _phase("agreement", phase)
     lengths = args.needle_lengths
     if lengths:
@@ -214,7 +208,7 @@ def _eval(args: argparse.Namespace) -> None:
         for name, spec in specs.items():
             ok = ev.needle(lm, tok, spec, cases, max(args.chunk, 512))
             table[name]["needle"] = f"{sum(ok)}/{len(ok)}"
-            _emit(
+            ca.emit_lines(
                 [(f"needle_{name}_{n}", float(o), "pass") for n, o in zip(lengths, ok, strict=True)]
             )
     phase = _phase("needle", phase)
@@ -223,23 +217,23 @@ def _eval(args: argparse.Namespace) -> None:
         errs = ev.layer_errors(lm, probes, ppl_seqs[0], args.chunk) if probes else {}
         for name, layer_err in errs.items():
             table[name]["err"] = float(np.mean(layer_err))
-            _emit(
+            ca.emit_lines(
                 [(f"attn_rel_err_{name}_layer{i}", float(x), "") for i, x in enumerate(layer_err)]
             )
-            _emit(
+            ca.emit_lines(
                 [
                     (f"attn_rel_err_{name}_mean", float(np.mean(layer_err)), ""),
                     (f"attn_rel_err_{name}_max", float(np.max(layer_err)), ""),
                 ]
             )
     _phase("layer_errors", phase)
-    _emit([("eval_seconds", time.perf_counter() - start, "s")])
+    ca.emit_lines([("eval_seconds", time.perf_counter() - start, "s")])
     print(_table(table))
 
 
 def _phase(name: str, since: float) -> float:
     now = time.perf_counter()
-    _emit([(f"eval_seconds_{name}", now - since, "s")])
+    ca.emit_lines([(f"eval_seconds_{name}", now - since, "s")])
     return now
 
 
@@ -251,11 +245,6 @@ def _starts(rng: random.Random, total: int, length: int, count: int) -> list[int
     if length * count > total:
         raise KvCoreError(f"the corpus has {total} tokens: cannot cut {count} x {length}")
     return [rng.randrange(0, total - length) for _ in range(count)]
-
-
-def _emit(lines: list[tuple[str, float, str]]) -> None:
-    for name, value, unit in lines:
-        print(f"{name}: {value:.6g} {unit}".rstrip(), flush=True)
 
 
 def _table(rows: dict[str, dict]) -> str:

@@ -33,7 +33,7 @@ def run_chat(llm: Any, args: Any) -> ChatRun:
     ``args.temperature`` and ``args.seed`` sample) on ``llm``; Ctrl-C ends the run early."""
     from tqdm.auto import tqdm
 
-    from kvcore.outputs import SamplingParams
+    from kvcore.params import SamplingParams
     from kvcore.tools.workload import chat_workload
 
     engine, tok = llm.engine, llm.get_tokenizer()

@@ -1,40 +1,23 @@
-"""``kvcore serve`` and ``kvcore bench serve``: argument parsing (dispatched from kvcore.entrypoints.cli.main)."""
+"""``kvcore serve`` and ``kvcore bench serve`` (dispatched from ``kvcore.entrypoints.cli.main``)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
+import sys
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    """Flags of ``kvcore serve``: every engine flag of ``kvcore run`` plus the server's."""
-    from kvcore.entrypoints.cli.main import _engine_args
+    """Flags of ``kvcore serve``: the engine's (``EngineArgs``), the server's, scale-out's."""
+    from kvcore.engine.args import EngineArgs
     from kvcore.entrypoints.cli.args import Parser, float_in
+    from kvcore.entrypoints.openai.args import add_server_args
 
     p = Parser(  # one-line errors, exit 2 (kvcore.entrypoints.cli.args)
         prog="kvcore serve", description="OpenAI-compatible HTTP server over the kvcore engine."
     )
-    _engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("KVCORE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $KVCORE_API_KEY)",
-    )
-    p.add_argument("--served-model-name", default=None, help="model id clients send (--model)")
-    p.add_argument(
-        "--max-waiting",
-        type=int,
-        default=1024,
-        help="answer 503 + Retry-After beyond this many waiting requests (0: no limit)",
-    )
-    p.add_argument("--max-n", type=int, default=128, help="largest n (capped by --max-num-seqs)")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body cap (413)")
-    p.add_argument("--metrics-prefix", default="kvcore", help="kvcore | vllm (metric names)")
-    p.add_argument("--shutdown-grace-s", type=float, default=10.0)
-    p.add_argument("--log-level", default="warning")
+    EngineArgs.add_cli_args(p)
+    add_server_args(p)
     g = p.add_argument_group("scale-out (Ray Serve; docs/scale_out.md)")
     g.add_argument(
         "--replicas", type=int, default=1, help="engine replicas on Ray Serve (1: one process)"
@@ -68,8 +51,10 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def serve_main(argv: list[str]) -> int:
     """Entry of ``kvcore serve``."""
-    from kvcore.entrypoints.cli.main import _make_llm
+    from kvcore.engine.args import EngineArgs
+    from kvcore.engine.llm_engine import LLMEngine
     from kvcore.entrypoints.openai.server import make_state, run_server
+    from kvcore.models.dtype import dtype_hint
 
     args = serve_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -81,9 +66,12 @@ def serve_main(argv: list[str]) -> int:
         args.replicas = args.decode_replicas or 1
     if args.replicas > 1 or args.ray_address or args.prefill_replicas:
         return _serve_replicas(argv, args)
-    llm = _make_llm(args)
-    state = make_state(llm, args)
-    dtype = str(llm.engine.model.dtype).removeprefix("torch.")
+    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    hint = dtype_hint(args.dtype, engine.model.dtype, engine.runner.device)
+    if hint:
+        print(f"kvcore: {hint}", file=sys.stderr)
+    state = make_state(engine, args)
+    dtype = str(engine.model.dtype).removeprefix("torch.")
     print(
         f"kvcore serve: {state.model_name} on http://{args.host}:{args.port} "
         f"(dtype {dtype}, max_model_len {state.max_model_len}, "

@@ -22,14 +22,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from kvcore.entrypoints.openai import responses, serving
 from kvcore.engine.async_engine import AsyncEngine
+from kvcore.entrypoints.openai import responses, serving
 from kvcore.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvcore.entrypoints.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    parse_body,
 )
 from kvcore.entrypoints.openai.serving import ServerState
 
@@ -40,7 +39,7 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def _authorize(state: ServerState, request: Request) -> None:
+def authorize(state: ServerState, request: Request) -> None:
     if state.api_key is None:
         return
     given = request.headers.get("authorization", "")
@@ -52,7 +51,7 @@ def _authorize(state: ServerState, request: Request) -> None:
         raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
-async def _body(state: ServerState, request: Request) -> bytes:
+async def read_body(state: ServerState, request: Request) -> bytes:
     """The request body, refused (413) past the byte cap without reading it all."""
     cap = state.max_body_bytes
     too_big = ApiError(413, f"The request body is larger than {cap} bytes.", code="body_too_large")
@@ -129,7 +128,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        _authorize(state, request)
+        authorize(state, request)
         card = {
             "id": state.model_name,
             "object": "model",
@@ -141,14 +140,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        _authorize(state, request)
-        req = parse_body(CompletionRequest, await _body(state, request))
+        authorize(state, request)
+        req = parse_body(CompletionRequest, await read_body(state, request))
         return await _complete(state, request, serving.prepare_completion(state, req))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        _authorize(state, request)
-        req = parse_body(ChatCompletionRequest, await _body(state, request))
+        authorize(state, request)
+        req = parse_body(ChatCompletionRequest, await read_body(state, request))
         return await _complete(state, request, serving.prepare_chat(state, req))
 
     return app
@@ -158,9 +157,8 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def make_state(llm: Any, args: Any) -> ServerState:
-    """The server's state over a loaded ``kvcore.LLM`` and the parsed ``kvcore serve`` flags."""
-    engine = llm.engine
+def make_state(engine: Any, args: Any) -> ServerState:
+    """The server's state over a built ``LLMEngine`` and the parsed ``kvcore serve`` flags."""
     name = args.served_model_name or str(args.model)
     cc = engine.cache_config
     info = {

@@ -23,7 +23,8 @@ from kvcore.entrypoints.openai.protocol import (
     check_unsupported,
 )
 from kvcore.errors import KvCoreError
-from kvcore.outputs import RequestOutput, SamplingParams
+from kvcore.outputs import RequestOutput
+from kvcore.params import SamplingParams
 
 
 @dataclass
