@@ -22,6 +22,7 @@ from kvcore.engine.sampler import Sampler
 from kvcore.engine.stats import EngineStats
 from kvcore.errors import InvalidArgumentError
 from kvcore.models.loader import load_model
+from kvcore.models.sizes import kivi_residual_bytes, kivi_residual_slots, kv_bytes_per_block
 from kvcore.retention.h2o import H2OTracker
 from kvcore.retention.release import (
     RetentionSupport,
@@ -30,12 +31,7 @@ from kvcore.retention.release import (
     kernels_take_null_entries,
 )
 from kvcore.retention.spec import parse_retention
-from kvcore.runner.model_runner import (
-    ModelRunner,
-    kivi_residual_bytes,
-    kivi_residual_slots,
-    kv_bytes_per_block,
-)
+from kvcore.runner.model_runner import ModelRunner
 from kvcore.tiers.build import build_tier_manager, tier_scheduler_args
 
 

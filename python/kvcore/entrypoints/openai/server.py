@@ -29,6 +29,7 @@ from kvcore.entrypoints.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    parse_body,
 )
 from kvcore.entrypoints.openai.serving import ServerState
 
