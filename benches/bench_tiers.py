@@ -86,7 +86,7 @@ def make_llm(args, llm_kwargs, hook=None):
 
 def serve(args, systems, convs, llm_kwargs, only_last=False, hook=None):
     """Serve every turn (``--arrival``); returns (outputs per (conv, turn), wall-clock TTFTs,
-    prompt tokens, llm). ``hook(llm)`` runs once the engine exists (trace_tiers.py)."""
+    prompt tokens, llm). ``hook(llm)`` runs once the engine exists (tools/trace_tiers.py)."""
     llm, params = make_llm(args, llm_kwargs, hook)
     d = ChatDriver(llm, params, args, systems, convs, only_last=only_last)
     run_drivers([d])

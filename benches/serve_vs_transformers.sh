@@ -2,7 +2,7 @@
 # kvcore serve vs transformers serve (continuous batching) on SmolLM2-135M-Instruct, CPU, the
 # chat dataset, measured one server after the other through the same `kvcore bench serve` client.
 # Every server: 2 torch threads, OMP_WAIT_POLICY=PASSIVE, nice -n 5. One seed per call; each run
-# is saved as $OUT/LABEL-seed$SEED.json and scored at the end by benches/score_serve.py (goodput
+# is saved as $OUT/LABEL-seed$SEED.json and scored at the end by benches/tools/score_serve.py (goodput
 # ratio, p95 TTFT ratio at the peer's knee, server overhead), once per peer:
 #   KVCORE_FLAGS  extra `kvcore serve` flags, e.g. "--dtype bfloat16" (default: none)
 #   KVCORE_LABEL  kvcore's label (default kvcore; e.g. kvcore-bf16 with --dtype bfloat16)
@@ -15,7 +15,7 @@
 #     OUT=/tmp/serve_bench bash benches/serve_vs_transformers.sh
 # (defaults RATES="2 3 4 6 8 12" N=48: past both servers' knees, so that the peak goodputs and
 # the peer's knee are measured, not capped by the highest rate run; 2026-11-30 23:2x UTC)
-#   python benches/score_serve.py /tmp/serve_bench --kvcore kvcore-bf16 --peer transformers-serve-bf16
+#   python benches/tools/score_serve.py /tmp/serve_bench --kvcore kvcore-bf16 --peer transformers-serve-bf16
 # (docs/serving.md: window A ran RATES="0.25 0.5 1 2" SEED=0 at SLO 5000/500; windows B and C
 # ran RATES="0.125 0.5 2" with SEED=1 and SEED=0/2, the SLO below, fp32 on both sides; the
 # bf16 runs of 21:03 UTC RATES="0.5 2" N=24.)
@@ -63,6 +63,6 @@ if [ "${PEER:-1}" != 0 ]; then
   done
 fi
 for L in ${PEERS:-transformers-serve}; do
-  python benches/score_serve.py "$OUT" --kvcore "$KVCORE_LABEL" --peer "$L" $SLO \
+  python benches/tools/score_serve.py "$OUT" --kvcore "$KVCORE_LABEL" --peer "$L" $SLO \
     | tee "$OUT/score-$KVCORE_LABEL-vs-$L.txt" || true
 done

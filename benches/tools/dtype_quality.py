@@ -16,7 +16,7 @@ drift bf16 itself causes from any the engine adds. Prints ``name: value unit`` l
 
 Perplexity of the two dtypes is ``kvcore eval-kv --formats auto --dtype D`` (docs/serving.md).
 
-    python benches/dtype_quality.py --prompts 20 --gen 64 --seed 0 [--hf]
+    python benches/tools/dtype_quality.py --prompts 20 --gen 64 --seed 0 [--hf]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int:

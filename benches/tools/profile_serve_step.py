@@ -6,7 +6,7 @@ chunks allowed any padding (``MAX_PAD_RATIO`` = inf, the old schedule: every dec
 longest context) and with the default bound, interleaved step by step so machine load hits both
 alike, and with ``--ops`` the torch profiler's table of one side. Prints ``name: value unit``.
 
-    python benches/profile_serve_step.py --seed 0 --num 17 [--steps 8] [--ops]
+    python benches/tools/profile_serve_step.py --seed 0 --num 17 [--steps 8] [--ops]
 """
 
 from __future__ import annotations

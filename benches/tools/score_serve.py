@@ -11,7 +11,7 @@ meets the SLO at none of the rates it has no knee ("peer knee nan"): the TTFT ra
 taken at the lowest rate; when it meets it at every rate the knee is the highest rate run
 (RATES="0.5 2": 2 req/s). Usage:
 
-    python benches/score_serve.py DIR [--prefix quiet-] [--kvcore kvcore] \
+    python benches/tools/score_serve.py DIR [--prefix quiet-] [--kvcore kvcore] \
         [--peer transformers-serve] [--slo-ttft-ms 1000 --slo-itl-ms 300]
 """
 
@@ -24,7 +24,7 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 from kvcore.tools.bench_data import knee, regoodput  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """cProfile of one configuration of ``bench_tiers.py``'s workload (docs/tiers.md, "Profile").
 
-    python benches/profile_tiers.py tiered|pool_only|unbounded [bench_tiers flags]
+    python benches/tools/profile_tiers.py tiered|pool_only|unbounded [bench_tiers flags]
 
 Prints wall time, TTFT p50, hit rate, forward seconds, the L2 load figures, then the profile
 (cumulative) restricted to the engine step, the scheduler, the tier moves and the model's
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benches/
 import bench_tiers as b  # noqa: E402
 
 

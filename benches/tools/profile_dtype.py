@@ -7,8 +7,8 @@
   engine against transformers' own forward (DynamicCache, sdpa) on the same model, interleaved
   step by step in one process (``--steps`` each), so a loaded machine slows both alike.
 
-    python benches/profile_dtype.py prefill --dtype bfloat16 [--prompt-len 1000]
-    python benches/profile_dtype.py decode-ab --dtype bfloat16 --seqs 8 [--prompt-len 300]
+    python benches/tools/profile_dtype.py prefill --dtype bfloat16 [--prompt-len 1000]
+    python benches/tools/profile_dtype.py decode-ab --dtype bfloat16 --seqs 8 [--prompt-len 300]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ prints the K slowest-TTFT requests: prompt and cached tokens, queue time (arriva
 scheduled), prefill time (first scheduled to first token), the steps in between and how many
 tokens (prefill chunks + other requests' decodes) they computed.
 
-    python benches/replay_serve.py --seed 0 --rate 0.5 --rate-index 0 --dtype bfloat16 \
+    python benches/tools/replay_serve.py --seed 0 --rate 0.5 --rate-index 0 --dtype bfloat16 \
         [--max-num-batched-tokens 2048] [--warm] [--breakdown 3]
 """
 

@@ -4,7 +4,7 @@ tokens and a recent window of ``share`` of the budget, ranking middle blocks by 
 (``sum``, H2O's rule) or by mass per query row that could see the block (``mean``), and prints
 each needle block's (block, tokens when dropped) and the greedy answer.
 
-    python benches/diag_h2o_needle_fate.py 2048 0 sum 0.5
+    python benches/tools/diag_h2o_needle_fate.py 2048 0 sum 0.5
 """
 
 import sys

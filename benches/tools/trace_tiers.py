@@ -1,7 +1,7 @@
 """Where each request's time to first token goes in ``bench_tiers.py``'s workload
 (docs/tiers.md, "Why TTFT p50 improves less than the computed prompt tokens").
 
-    python benches/trace_tiers.py [bench_tiers flags] [--trace-configs pool_only,tiered]
+    python benches/tools/trace_tiers.py [bench_tiers flags] [--trace-configs pool_only,tiered]
         [--json out.json]
 
 Serves the workload on the listed configurations, paired by default (one step each in turn,
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benches/
 import bench_tiers as b  # noqa: E402
 
 
