@@ -44,12 +44,8 @@ from kvcore.errors import (
     UnknownRequestError,
 )
 from kvcore.retention.h2o import H2OTracker
-from kvcore.runner.model_runner import (
-    ModelRunner,
-    kivi_residual_bytes,
-    kivi_residual_slots,
-    kv_bytes_per_block,
-)
+from kvcore.runner.model_runner import ModelRunner
+from kvcore.models.sizes import kivi_residual_bytes, kivi_residual_slots, kv_bytes_per_block
 from kvcore.models.loader import load_model
 from kvcore.outputs import RequestOutput, SamplingParams
 from kvcore.tools.report import EngineStats
