@@ -129,23 +129,18 @@ def layer_bytes_per_block(
     """Bytes one block of one layer's KV cache takes in ``fmt`` (a format name, or a dtype name
     such as "float16"), metadata included; ``dtype`` is what "auto" stores (default: the
     config's). The table in the module docstring."""
-    if fmt in DTYPES:
-        dtype = DTYPES[fmt]
-    elif not get_kv_format(fmt).quantized:
-        dtype = dtype or geom.dtype
-    else:
-        dtype = None
-    if dtype is not None:
-        width = geom.mla_dim if geom.mla_dim else 2 * geom.num_kv_heads * geom.head_dim
-        return block_size * width * torch.empty((), dtype=dtype).element_size()
-    f = get_kv_format(fmt)
+    f = None if fmt in DTYPES else get_kv_format(fmt)
+    if f is None or not f.quantized:  # K and V (or the latent) as the model dtype stores them
+        plain = DTYPES[fmt] if f is None else dtype or geom.dtype
+        width = geom.mla_dim or 2 * geom.num_kv_heads * geom.head_dim
+        return block_size * width * torch.empty((), dtype=plain).element_size()
     if not geom.mla_dim:
         return block_layout(f, block_size, geom.num_kv_heads, geom.head_dim).block_bytes
     if fmt == "fp8_e4m3":  # kvcore's FP8 latent (kvcore_kernels.mla_cache)
         return fp8_row_bytes(block_size, geom.mla_dim)
     if f.kind == "kivi":
         raise InvalidArgumentError(f"{fmt}: KIVI does not apply to MLA latents")
-    return block_layout(f, block_size, 1, geom.mla_dim).block_bytes // 2  # K of a K+V row
+    return block_layout(f, block_size, 1, geom.mla_dim).block_bytes // 2  # one head, K only
 
 
 def kv_bytes_per_block(
