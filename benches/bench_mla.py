@@ -1,6 +1,6 @@
 """MLA benchmark: kvcore's paged latent cache vs transformers' generate on a tiny DeepSeek model.
 
-Model: ``kvcore.runner.mla.TINY_DEEPSEEK_CONFIG`` (DeepSeek-V3-shaped by default, ``--version v2``:
+Model: ``kvcore.models.mla.TINY_DEEPSEEK_CONFIG`` (DeepSeek-V3-shaped by default, ``--version v2``:
 hidden 512, 6 layers of which 5 MoE (16 routed experts, top 2, one shared), 8 heads,
 q_lora_rank 192, kv_lora_rank 128, qk_rope 32, qk_nope 64, v_head 64, vocab 32000, fp32, weights
 seeded by ``--seed``; ``--kv-format fp8_e4m3``: FP8 latents with a per-block scale).
@@ -34,7 +34,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from kvcore import _kvcore  # noqa: E402
 from kvcore.entrypoints.llm import LLM  # noqa: E402
-from kvcore.runner.mla import mha_equivalent_bytes_per_token, tiny_deepseek  # noqa: E402
+from kvcore.models.mla import tiny_deepseek  # noqa: E402
+from kvcore.models.sizes import mha_equivalent_bytes_per_token  # noqa: E402
 from kvcore.outputs import SamplingParams  # noqa: E402
 
 

@@ -8,14 +8,14 @@ import importlib.util
 import pytest
 from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError
+from kvcore.entrypoints.llm import LLM
 from kvcore.models import gemma3_gguf as g3
 from kvcore.models import loader as kvmodels
 from kvcore.models.gemma3_gguf import INSTALL_COMMAND, NOTICE, gemma3_checkpoint, is_installed
-from kvcore.entrypoints.llm import LLM
-from kvcore.runner.model_runner import kv_geometry
+from kvcore.models.sizes import kv_geometry
+from kvcore.models.windows import layer_windows, window_groups
 from kvcore.params import SamplingParams
 from kvcore.tools.planner import geometry
-from kvcore.models.windows import layer_windows, window_groups
 from test_window_models import FULL
 
 needs_gemma = pytest.mark.skipif(

@@ -9,8 +9,10 @@ import torch
 from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError
 from kvcore.entrypoints.llm import LLM
-from kvcore.runner.mla import MLAAttention, mha_equivalent_bytes_per_token, tiny_deepseek
+from kvcore.models.mla import tiny_deepseek
+from kvcore.models.sizes import mha_equivalent_bytes_per_token
 from kvcore.params import SamplingParams
+from kvcore.runner.mla import MLAAttention
 from kvcore_kernels import mla_torch
 
 VOCAB = 256

@@ -6,8 +6,8 @@ import pytest
 import torch
 from kvcore import InvalidArgumentError
 from kvcore.models import loader as kvmodels
-from kvcore.runner.model_runner import kv_bytes_per_block, kv_geometry
 from kvcore.models.loader import check_supported, load_model, tiny_llama
+from kvcore.models.sizes import kv_bytes_per_block, kv_geometry
 from test_engine import SMALL
 
 

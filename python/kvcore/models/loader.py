@@ -121,7 +121,7 @@ def check_supported(model: Any) -> None:
         raise InvalidArgumentError("kvcore needs a causal LM with an lm_head (…ForCausalLM)")
     if getattr(model.config, "use_bidirectional_attention", False):  # EmbeddingGemma-style
         raise InvalidArgumentError("kvcore's attention is causal: bidirectional models refused")
-    from kvcore.runner.mla import check_mla_config, is_mla_config
+    from kvcore.models.mla import check_mla_config, is_mla_config
 
     if is_mla_config(model.config):
         check_mla_config(model.config)  # names the first DeepSeek feature kvcore cannot serve

@@ -11,7 +11,9 @@ request's own ``position_ids``, and passes the step's metadata as the forward ke
 down to the attention function, so there is no module global to set and reset.
 
 Per layer the function writes the step's new K/V into the paged cache (``store_kv``, slots from
-``slot_mapping``) and attends over each request's blocks (``paged_attention``); on the op path
+``slot_mapping``) and attends over each request's blocks (``paged_attention``); with ``probes``
+(the quality gate, ``kvcore.tools.eval_kv``) caches of other formats take the same K/V and the
+distance of their output from the main one is summed per layer. On the op path
 (compiled forward, CUDA graphs) both happen inside the custom op ``kvcore::paged_attention``
 (``kvcore.runner.attention_op``), which takes tensors only:
 
@@ -22,17 +24,42 @@ Per layer the function writes the step's new K/V into the paged cache (``store_k
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import kvcore_kernels
+import numpy as np
 import torch
 
-from kvcore.runner.attention_op import paged_attention as paged_attention_op
 from kvcore.errors import InvalidArgumentError
+from kvcore.runner.attention_op import paged_attention as paged_attention_op
 
 BACKEND_NAME = "kvcore"
 CTX_KWARG = "kvcore_ctx"
+
+
+@dataclass(slots=True)
+class LayerProbes:
+    """Caches of other formats that take every layer's K/V too (eager path): per layer the sum of
+    squares of the main cache's attention output and of each format's difference from it."""
+
+    caches: dict[str, list[Any]]  # format name -> its per-layer caches
+    sq_err: dict[str, np.ndarray]  # format name -> float [num_layers]: sum ||o_fmt - o||^2
+    sq_ref: np.ndarray  # float [num_layers]: sum ||o||^2
+
+    @classmethod
+    def of(cls, caches: dict[str, list[Any]], num_layers: int) -> LayerProbes:
+        """Probes over ``caches`` with zeroed sums."""
+        sq_err = {name: np.zeros(num_layers) for name in caches}
+        return cls(caches, sq_err, np.zeros(num_layers))
+
+    def measure(self, layer: int, out: torch.Tensor, attend: Callable[[Any], torch.Tensor]) -> None:
+        """Add one layer's sums: ``out`` of the main cache, ``attend(cache)`` of each format's."""
+        self.sq_ref[layer] += float(out.float().pow(2).sum())
+        for name, caches in self.caches.items():
+            o = attend(caches[layer])
+            self.sq_err[name][layer] += float((o.float() - out.float()).pow(2).sum())
 
 
 @dataclass(slots=True)
@@ -61,6 +88,27 @@ class AttentionContext:
     # H2O (kvcore.retention.h2o): float32 [num_reqs, width] the group-0 layers add their attention
     # mass into (eager path only); None: not asked for
     block_mass: torch.Tensor | None = None
+    # Per-layer error probes of other cache formats (eager path only); None: none
+    probes: LayerProbes | None = None
+
+
+def _store_and_attend(
+    cache: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    meta: Any,
+    mass: torch.Tensor | None,
+    backend: str,
+    **attn: Any,
+) -> torch.Tensor:
+    """Write the step's K/V into ``cache`` (a QuantKVCache is quantized on write: the kernels
+    dispatch on the cache type; KIVI's residual plan reads ``meta``), then attend over it."""
+    kvcore_kernels.store_kv(k, v, cache, slots, backend=backend, meta=meta)
+    return kvcore_kernels.paged_attention(
+        q, cache, meta, backend=backend, **attn, **({} if mass is None else {"block_mass": mass})
+    )
 
 
 def kvcore_attention(
@@ -114,19 +162,14 @@ def kvcore_attention(
         group = ctx.layer_group[layer_idx]
         meta, slots = ctx.group_metas[group - 1], ctx.group_slots[group - 1]
         mass = None  # a local group's table may be narrower; its layers see the recent blocks
-    # A QuantKVCache is quantized on write (the kernels dispatch on the cache type); KIVI's
-    # residual plan reads the step's metadata.
-    kvcore_kernels.store_kv(k, v, cache, slots, backend=ctx.backend, meta=meta)
-    out = kvcore_kernels.paged_attention(
-        q,
-        cache,
-        meta,
-        scale=scaling,
-        sliding_window=sliding_window,
-        soft_cap=softcap,
-        backend=ctx.backend,
-        **({} if mass is None else {"block_mass": mass}),
-    )
+    attn = dict(scale=scaling, sliding_window=sliding_window, soft_cap=softcap)
+    out = _store_and_attend(cache, q, k, v, slots, meta, mass, ctx.backend, **attn)
+    if ctx.probes is not None:  # the probes add no attention mass
+        ctx.probes.measure(
+            layer_idx,
+            out,
+            lambda c: _store_and_attend(c, q, k, v, slots, meta, None, ctx.backend, **attn),
+        )
     return out.unsqueeze(0), None  # [1, num_tokens, num_q_heads, head_dim]
 
 

@@ -20,7 +20,8 @@ Without kvcore's step context (e.g. transformers' ``generate`` on the same model
 module runs the original attention, so peers can share the model.
 
 Cache layout, per layer: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` in the
-model dtype (``kvcore_kernels.mla_cache``).
+model dtype (``kvcore_kernels.mla_cache``). Which configs are MLA, their latent dims and the
+refused features are ``kvcore.models.mla``; bytes per block are ``kvcore.models.sizes``.
 """
 
 from __future__ import annotations
@@ -31,16 +32,11 @@ from typing import Any
 import kvcore_kernels
 import torch
 from kvcore_kernels.errors import KernelConfigError
-from kvcore_kernels.mla_cache import fp8_row_bytes
 
-from kvcore.runner.attention import CTX_KWARG, AttentionContext
 from kvcore.errors import InvalidArgumentError
+from kvcore.models.mla import check_mla_config, latent_dims
+from kvcore.runner.attention import CTX_KWARG, AttentionContext
 
-MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3"})
-# RoPE variants whose frequencies depend on the longest position of the forward's batch: with
-# every request packed into one row they would differ from a request run alone.
-_SEQ_DEPENDENT_ROPE = ("dynamic", "longrope")
-LATENT_FORMATS = ("auto", "float32", "float16", "bfloat16", "fp8_e4m3")
 _PROJECTIONS = (
     "q_proj",
     "q_a_proj",
@@ -51,56 +47,6 @@ _PROJECTIONS = (
     "kv_b_proj",
     "o_proj",
 )
-
-
-def is_mla_config(config: Any) -> bool:
-    """Whether ``config`` describes a DeepSeek-style MLA model kvcore serves on a latent cache."""
-    return getattr(config, "model_type", None) in MLA_MODEL_TYPES and bool(
-        getattr(config, "kv_lora_rank", None)
-    )
-
-
-def latent_dims(config: Any) -> tuple[int, int, int]:
-    """(num_layers, kv_lora_rank, qk_rope_head_dim) of an MLA config."""
-    return config.num_hidden_layers, int(config.kv_lora_rank), int(config.qk_rope_head_dim)
-
-
-def check_mla_config(config: Any, kv_formats: list[str] | None = None) -> None:
-    """Raise ``InvalidArgumentError`` naming the first feature the latent path does not serve."""
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type in _SEQ_DEPENDENT_ROPE:
-        raise InvalidArgumentError(
-            f"MLA model: rope_type {rope_type!r} is not supported by kvcore (its frequencies "
-            "depend on the batch's longest sequence; supported: default, linear, yarn, ...)"
-        )
-    if int(config.qk_rope_head_dim) % 2:
-        raise InvalidArgumentError("MLA model: an odd qk_rope_head_dim is not supported")
-    for name in kv_formats or []:
-        if name not in LATENT_FORMATS:
-            raise InvalidArgumentError(
-                f"MLA model: kv_format {name!r} is not supported on the latent cache "
-                f"(supported: {', '.join(LATENT_FORMATS)}; fp8_e4m3 = FP8 with a per-block scale)"
-            )
-
-
-def latent_bytes_per_block(
-    config: Any, block_size: int, dtype: torch.dtype, formats: list[str] | None = None
-) -> int:
-    """Bytes one block of latent cache takes over all layers (an ``fp8_e4m3`` layer: its FP8
-    codes and the block's float32 scale)."""
-    num_layers, r, rope = latent_dims(config)
-    plain = block_size * kvcore_kernels.latent_bytes_per_token(r, rope, dtype)
-    fp8 = fp8_row_bytes(block_size, r + rope)
-    return sum(fp8 if f == "fp8_e4m3" else plain for f in formats or ["auto"] * num_layers)
-
-
-def mha_equivalent_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Bytes per token of the same model caching up-projected K and V per head (all layers):
-    ``heads * (qk_nope + qk_rope + v_head_dim)`` values per layer."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    head = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
-    return config.num_hidden_layers * config.num_attention_heads * head * itemsize
 
 
 def allocate_latent_caches(
@@ -239,55 +185,3 @@ def check_runner_args(config: Any, kv_dtype: torch.dtype, model_dtype: torch.dty
         raise KernelConfigError(
             f"MLA latent cache dtype {kv_dtype} must equal the model dtype {model_dtype}"
         )
-
-
-# The benchmark's DeepSeek-V3-shaped random model: MLA with MoE layers, small enough for a CPU.
-# Cache per token and layer: 128 + 32 = 160 values; MHA-equivalent 8 * (64 + 32 + 64) = 1,280.
-TINY_DEEPSEEK_CONFIG: dict[str, Any] = dict(
-    vocab_size=32000,
-    hidden_size=512,
-    intermediate_size=1408,
-    moe_intermediate_size=256,
-    num_hidden_layers=6,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    q_lora_rank=192,
-    kv_lora_rank=128,
-    qk_rope_head_dim=32,
-    qk_nope_head_dim=64,
-    v_head_dim=64,
-    n_routed_experts=16,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    max_position_embeddings=4096,
-)
-
-
-def tiny_deepseek(
-    version: str = "v3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
-) -> Any:
-    """A DeepSeek-V2 or -V3 causal LM with seeded random weights (any config field overridable;
-    V3 gets ``n_group=topk_group=1`` unless given: group-limited routing over one group)."""
-    from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
-
-    fields = {**TINY_DEEPSEEK_CONFIG, **overrides}
-    fields["num_key_value_heads"] = fields["num_attention_heads"]
-    if version == "v3":
-        fields = {"n_group": 1, "topk_group": 1, **fields}
-        config = DeepseekV3Config(
-            **fields, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2
-        )
-    elif version == "v2":
-        config = DeepseekV2Config(
-            **fields, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2
-        )
-    else:
-        raise InvalidArgumentError(f"version must be 'v2' or 'v3', got {version!r}")
-    rng_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.random.set_rng_state(rng_state)
-    return model.to(dtype).eval()

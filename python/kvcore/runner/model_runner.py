@@ -13,14 +13,15 @@ Per step:
    the LM head to the rows that are sampled (the last token of each request that samples).
 
 MLA models (DeepSeek-V2/V3): per layer one latent cache ``[num_blocks, block_size, kv_lora_rank +
-qk_rope_head_dim]`` and kvcore's own attention modules (``kvcore.runner.mla``).
+qk_rope_head_dim]`` and kvcore's own attention modules (``kvcore.runner.mla``). Cache sizes per
+block: ``kvcore.models.sizes``.
 
 Fast paths (plain caches; ``enforce_eager=True`` turns both off): the forward is compiled with
-``torch.compile`` around the custom op ``kvcore::paged_attention`` (``kvcore.runner.compile``), and on
-CUDA decode-only steps replay a captured CUDA graph padded to the next ladder size
-(``kvcore.runner.cuda_graphs``); mixed and prefill steps run the compiled forward. On CUDA the plan's
-token arrays go to the device in one asynchronous copy from pinned memory, the forward is timed
-with CUDA events, and the only sync of a step is the sampler reading the sampled tokens.
+``torch.compile`` around the custom op ``kvcore::paged_attention`` (``kvcore.runner.compile``),
+and on CUDA decode-only steps replay a captured CUDA graph padded to the next ladder size
+(``kvcore.runner.cuda_graphs``); mixed and prefill steps run the compiled forward. On CUDA the
+plan's token arrays go to the device in one asynchronous copy from pinned memory, the forward is
+timed with CUDA events, and the only sync of a step is the sampler reading the sampled tokens.
 Quantized caches are Python objects with host-side state, so they keep the eager path.
 
 Cache layout (kvcore_kernels): per layer ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
@@ -43,26 +44,21 @@ import torch
 from kvcore_kernels.quant import QuantKVCache, allocate_kv_caches, copy_blocks
 from kvcore_kernels.quant import get_format as get_kv_format
 
+from kvcore.errors import InvalidArgumentError
+from kvcore.models.mla import check_mla_config, is_mla_config
+from kvcore.models.sizes import kv_geometry
+from kvcore.models.windows import layer_windows
+from kvcore.retention.release import fill_released, has_released
 from kvcore.runner.attention import BACKEND_NAME, CTX_KWARG, AttentionContext, use_kvcore_attention
 from kvcore.runner.attention_op import attach_plan
-from kvcore.runner.compile import CompileStats, compile_model, compiled_graph_count, mark_step_dynamic
+from kvcore.runner.compile import (
+    CompileStats,
+    compile_model,
+    compiled_graph_count,
+    mark_step_dynamic,
+)
 from kvcore.runner.cuda_graphs import CudaGraphs, DecodeBuffers, graph_sizes
-from kvcore.errors import InvalidArgumentError
-from kvcore.models.sizes import (  # noqa: F401  (re-exported: engine, tests)
-    kivi_residual_bytes,
-    kivi_residual_slots,
-    kv_bytes_per_block,
-    kv_geometry,
-)
-from kvcore.runner.mla import (
-    allocate_latent_caches,
-    check_mla_config,
-    check_runner_args,
-    install_mla,
-    is_mla_config,
-)
-from kvcore.retention.release import fill_released, has_released
-from kvcore.models.windows import layer_windows
+from kvcore.runner.mla import allocate_latent_caches, check_runner_args, install_mla
 
 logger = logging.getLogger("kvcore")
 # Whether the forward is compiled when the caller does not say (bench_e2e --compile/--eager, on
@@ -102,7 +98,7 @@ class ModelRunner:
         self.backend = backend
         self.kv_dtype = kv_dtype or model.dtype
         num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
-        # Per layer the sliding window its attention applies (None: full); see kvcore.models.windows.
+        # Per layer the sliding window its attention applies (None: full): kvcore.models.windows.
         self.layer_windows = layer_windows(model.config)
         self.kv_formats = kv_formats or ["auto"] * num_layers
         self.quantized = any(get_kv_format(name).quantized for name in self.kv_formats)

@@ -1,9 +1,10 @@
 """The quality gate of quantized KV caches: a real model run on paged caches of each format.
 
 ``PagedLM`` runs an unmodified transformers model on paged caches (one list of per-layer caches
-per format, plain tensors or ``QuantKVCache``) with every token's attention reading the cache:
-store first (quantize on write), then attend (dequantize on load). Sequences are prefilled in
-chunks, so later tokens read earlier, already quantized blocks, exactly as decode does.
+per format, plain tensors or ``QuantKVCache``) through the engine's own attention backend
+(``kvcore.runner.attention``) with every token's attention reading the cache: store first
+(quantize on write), then attend (dequantize on load). Sequences are prefilled in chunks, so
+later tokens read earlier, already quantized blocks, exactly as decode does.
 
 Measurements (all against the model-dtype cache "auto", same kernels, same schedule):
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import random
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import kvcore_kernels as kk
@@ -30,78 +30,22 @@ import torch
 from kvcore_kernels.quant import QuantKVCache, allocate_kv_caches
 
 from kvcore.errors import InvalidArgumentError
-
-BACKEND_NAME = "kvcore_eval"
-CTX_KWARG = "kvcore_eval_ctx"
-
-
-@dataclass(eq=False)
-class EvalContext:
-    """One step's metadata for every layer, plus optional per-layer error probes."""
-
-    caches: list[Any]
-    slot_mapping: torch.Tensor
-    meta: Any
-    backend: str
-    block_mass: torch.Tensor | None = None  # fp32 [num_seqs, max_blocks], summed over layers
-    probes: dict[str, list[Any]] = field(default_factory=dict)  # format -> its caches
-    sq_err: dict[str, np.ndarray] = field(default_factory=dict)  # format -> [L] sum of squares
-    sq_ref: np.ndarray | None = None  # [L]
-
-
-def attend(cache: Any, q, k, v, ctx: EvalContext, scale: float, window, soft_cap):
-    """Store this step's K/V in ``cache`` (plain or quantized: the kernels dispatch on it),
-    then attend over it."""
-    kk.store_kv(k, v, cache, ctx.slot_mapping, backend=ctx.backend, meta=ctx.meta)
-    return kk.paged_attention(
-        q, cache, ctx.meta, scale=scale, sliding_window=window, soft_cap=soft_cap,
-        backend=ctx.backend, block_mass=ctx.block_mass,
-    )  # fmt: skip
-
-
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-               sliding_window=None, softcap=None, **kwargs):  # fmt: skip
-    """transformers attention function: [1, heads, T, D] in, [1, T, heads, D] out."""
-    ctx = kwargs.get(CTX_KWARG)
-    if not isinstance(ctx, EvalContext):
-        raise InvalidArgumentError(f"attn_implementation={BACKEND_NAME!r} runs under PagedLM")
-    layer = module.layer_idx
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = attend(ctx.caches[layer], q, k, v, ctx, scale, sliding_window, softcap)
-    if ctx.probes:
-        assert ctx.sq_ref is not None
-        ctx.sq_ref[layer] += float(out.float().pow(2).sum())
-        for name, caches in ctx.probes.items():
-            o = attend(caches[layer], q, k, v, ctx, scale, sliding_window, softcap)
-            ctx.sq_err[name][layer] += float((o.float() - out.float()).pow(2).sum())
-    return out.unsqueeze(0), None
-
-
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None  # causality comes from the step metadata
+from kvcore.models.sizes import kv_geometry
+from kvcore.runner.attention import CTX_KWARG, AttentionContext, LayerProbes, use_kvcore_attention
 
 
 class PagedLM:
     """A transformers causal LM run step by step on paged KV caches of any format."""
 
     def __init__(self, model: Any, *, block_size: int = 16, backend: str = "auto", **cache_kw):
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
-
-        AttentionInterface.register(BACKEND_NAME, _attention)
-        AttentionMaskInterface.register(BACKEND_NAME, _no_mask)
-        model.set_attn_implementation(BACKEND_NAME)
-        cfg = model.config
+        use_kvcore_attention(model)
         self.model, self.block_size, self.backend, self.cache_kw = (
             model,
             block_size,
             backend,
             cache_kw,
         )
-        self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(model.config)
         self.device = next(model.parameters()).device
 
     def caches(self, formats, num_seqs: int, max_len: int, step_tokens: int) -> list[Any]:
@@ -125,9 +69,10 @@ class PagedLM:
 
         Returns float logits: every token's ``[sum(len), V]``, or ``[num_seqs, V]`` with
         ``last_only``. ``probes``: {format: caches} measured per layer (``ctx_out`` gets the
-        context with their sums). ``released`` (bool ``[num_seqs, blocks per sequence]``):
-        logical blocks a retention policy dropped, null entries in the block table;
-        ``block_mass`` (fp32, same shape) gets every layer's attention mass added.
+        step's ``AttentionContext``: its ``probes`` hold the sums). ``released`` (bool
+        ``[num_seqs, blocks per sequence]``): logical blocks a retention policy dropped, null
+        entries in the block table; ``block_mass`` (fp32, same shape) gets every layer's
+        attention mass added.
         """
         bs, num_seqs = self.block_size, len(tokens)
         num_blocks = (caches[0].num_blocks if isinstance(caches[0], QuantKVCache)
@@ -144,12 +89,10 @@ class PagedLM:
         qsl = np.concatenate([[0], np.cumsum(lens)])
         dev = self.device
         meta = kk.plan_attention(qsl, np.asarray(starts) + lens, table, bs, device=dev)
-        ctx = EvalContext(caches, torch.from_numpy(slots).to(dev), meta, self.backend)
-        ctx.block_mass = block_mass
-        if probes:
-            ctx.probes = probes
-            ctx.sq_ref = np.zeros(self.num_layers)
-            ctx.sq_err = {n: np.zeros(self.num_layers) for n in probes}
+        ctx = AttentionContext(
+            caches, torch.from_numpy(slots).to(dev), meta, self.backend, block_mass=block_mass,
+            probes=None if probes is None else LayerProbes.of(probes, self.num_layers),
+        )  # fmt: skip
         keep = torch.from_numpy(qsl[1:] - 1).to(dev) if last_only else 0
         flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens])
         ids = torch.from_numpy(flat).to(dev)[None]
@@ -224,12 +167,14 @@ def layer_errors(lm: PagedLM, formats: dict[str, Any], seq: list[int], chunk: in
     err = {name: np.zeros(lm.num_layers) for name in formats}
     sq_ref = np.zeros(lm.num_layers)
     for start in range(0, len(seq), chunk):
-        got: list[EvalContext] = []
+        got: list[AttentionContext] = []
         lm.step(ref, [start], [seq[start : start + chunk]], last_only=True, probes=probes,
                 ctx_out=got)  # fmt: skip
-        sq_ref += got[0].sq_ref
+        sums = got[0].probes
+        assert sums is not None  # probes given: the context carries their sums
+        sq_ref += sums.sq_ref
         for name in formats:
-            err[name] += got[0].sq_err[name]
+            err[name] += sums.sq_err[name]
     return {name: np.sqrt(e / np.maximum(sq_ref, 1e-30)) for name, e in err.items()}
 
 

@@ -1,10 +1,11 @@
 """Capacity planner: KV bytes per token for any Hugging Face config and storage format, and
 how many tokens and concurrent requests a memory budget holds.
 
-Bytes come from the kernels' own block layouts (``kvcore_kernels.quant.block_layout``), so
-scales, zero points and padding are counted exactly as allocated. Per layer::
+Bytes come from ``kvcore.models.sizes`` (``layer_bytes_per_block``, the engine's own block
+sizes, built on the kernels' block layouts), so scales, zero points and padding are counted
+exactly as allocated. Per layer::
 
-    bytes_per_token(layer) = block_row_bytes(format, block_size, kv_heads, head_dim) / block_size
+    bytes_per_token(layer) = layer_bytes_per_block(geometry, format, block_size) / block_size
     model dtype ("auto", "float16", ...): 2 * kv_heads * head_dim * itemsize
 
 MHA, GQA and MQA differ only in ``kv_heads``. MLA (``kv_lora_rank``) caches one latent of
@@ -28,33 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from kvcore_kernels.errors import KernelConfigError
-from kvcore_kernels.quant import bytes_per_token, check_format, get_format, resolve_formats
+from kvcore_kernels.quant import check_format, get_format, resolve_formats
 
 from kvcore.errors import InvalidArgumentError
-from kvcore.models.windows import layer_windows
+from kvcore.models import sizes
+from kvcore.models.sizes import DTYPES, KVGeometry, layer_bytes_per_block
 
 DEFAULT_FORMATS = ("auto", "float16", "fp8_e4m3", "int8", "int4", "kivi4", "kivi2", "int2")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """What the KV cache of a model depends on, read from its config."""
-
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    windows: tuple[int | None, ...]  # per layer: sliding window, None for full attention
-    dtype: torch.dtype
-    max_position: int
-    mla_dim: int | None = None  # MLA: latent width per token (kv_lora_rank + rope dims)
-    # MLA: values per layer and token if K and V were cached up-projected per head (MHA form):
-    # heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)
-    mha_equivalent_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -93,28 +76,6 @@ def parse_memory(text: str | int) -> int:
     return value
 
 
-def _first(cfg: dict, *names: str) -> Any:
-    return next((cfg[n] for n in names if cfg.get(n) is not None), None)
-
-
-def _windows(cfg: dict, num_layers: int) -> tuple[int | None, ...]:
-    """Per-layer windows as the engine sees them (``windows.layer_windows`` on the config that
-    transformers builds from ``cfg``); an architecture transformers does not know gets the
-    declared ``sliding_window`` on every layer, or none."""
-    from transformers import AutoConfig
-
-    fields = {k: v for k, v in cfg.items() if k != "model_type"}
-    try:
-        hf = AutoConfig.for_model(str(cfg.get("model_type")), **fields)
-    except (ValueError, TypeError, KeyError):
-        hf = None
-    if hf is not None and getattr(hf, "num_hidden_layers", None) == num_layers:
-        return layer_windows(hf)
-    window = cfg.get("sliding_window")
-    uniform = int(window) if window and cfg.get("use_sliding_window") is not False else None
-    return (uniform,) * num_layers
-
-
 def load_config(config: Any) -> dict:
     """A config as a dict: a path (file or checkpoint folder), a dict or a PretrainedConfig."""
     if isinstance(config, (str, Path)):
@@ -138,67 +99,31 @@ def load_config(config: Any) -> dict:
     return config
 
 
-def geometry(config: Any) -> Geometry:
-    """The KV geometry of a Hugging Face config (any decoder: MHA, GQA, MQA, MLA, windows)."""
-    cfg = load_config(config)
-    layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
-    heads = _first(cfg, "num_attention_heads", "n_head", "num_heads")
-    hidden = _first(cfg, "hidden_size", "n_embd", "d_model")
-    if not isinstance(layers, int) or not isinstance(heads, int) or layers < 1 or heads < 1:
-        raise InvalidArgumentError("config needs num_hidden_layers and num_attention_heads")
-    kv = _first(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
-    if kv is None:
-        kv = 1 if cfg.get("multi_query") else heads
-    head_dim = cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int) else None)
-    if not isinstance(head_dim, int) or head_dim < 1 or not isinstance(kv, int) or kv < 1:
-        raise InvalidArgumentError("config needs head_dim or hidden_size, and valid KV heads")
-    dtype = DTYPES.get(str(_first(cfg, "torch_dtype", "dtype") or "float16"), torch.float16)
-    mla = mha_eq = None
-    if cfg.get("kv_lora_rank"):
-        mla = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
-        k_dim = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg.get("qk_rope_head_dim") or 0)
-        mha_eq = heads * ((k_dim or head_dim) + int(cfg.get("v_head_dim") or k_dim or head_dim))
-    max_pos = _first(cfg, "max_position_embeddings", "n_positions", "seq_length") or 4096
-    return Geometry(
-        layers, heads, kv, head_dim, _windows(cfg, layers), dtype, int(max_pos), mla, mha_eq
-    )
+def geometry(config: Any) -> KVGeometry:
+    """The KV geometry of a Hugging Face config (a path, a dict or a transformers config; any
+    decoder: MHA, GQA, MQA, MLA, windows)."""
+    return sizes.geometry(load_config(config))
 
 
-def mha_equivalent_bytes_per_token(geom: Geometry, fmt: str = "auto") -> float | None:
+def mha_equivalent_bytes_per_token(geom: KVGeometry, fmt: str = "auto") -> float | None:
     """MLA only: bytes per token (all layers) of the same model caching per-head K and V in a
     model-dtype ``fmt`` ("auto", "float16", ...); None for other models or quantized formats."""
-    if not geom.mla_dim or not geom.mha_equivalent_dim:
-        return None
     dtype = DTYPES.get(fmt, geom.dtype if fmt == "auto" else None)
-    if dtype is None:
-        return None
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return float(geom.num_layers * geom.mha_equivalent_dim * itemsize)
+    mha = sizes.mha_equivalent_bytes_per_token(geom, dtype) if dtype is not None else None
+    return None if mha is None else float(mha)
 
 
-def layer_bytes_per_token(geom: Geometry, fmt: str, block_size: int) -> float:
-    """K/V bytes per token of one layer in ``fmt`` ("float16" etc. name a plain dtype)."""
-    if fmt in DTYPES:
-        width = geom.mla_dim if geom.mla_dim else 2 * geom.num_kv_heads * geom.head_dim
-        return width * torch.empty((), dtype=DTYPES[fmt]).element_size()
-    f = get_format(fmt)
-    if not f.quantized:
-        return layer_bytes_per_token(geom, _dtype_name(geom.dtype), block_size)
-    if geom.mla_dim:
-        if fmt == "fp8_e4m3":  # kvcore's FP8 latent: codes + one float32 scale per block
-            from kvcore_kernels.mla_cache import fp8_row_bytes
-
-            return fp8_row_bytes(block_size, geom.mla_dim) / block_size
-        if f.kind == "kivi":
-            raise InvalidArgumentError(f"{fmt}: KIVI does not apply to MLA latents")
-        check_format(f, head_dim=geom.mla_dim, dtype=geom.dtype, block_size=block_size)
-        return bytes_per_token(f, 1, geom.mla_dim, block_size, geom.dtype) / 2
-    check_format(f, head_dim=geom.head_dim, dtype=geom.dtype, block_size=block_size)
-    return bytes_per_token(f, geom.num_kv_heads, geom.head_dim, block_size, geom.dtype)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return next(n for n, d in DTYPES.items() if d == dtype)
+def layer_bytes_per_token(geom: KVGeometry, fmt: str, block_size: int) -> float:
+    """K/V bytes per token of one layer in ``fmt`` ("float16" etc. name a plain dtype), after
+    checking that the kernels can pack ``fmt`` for this geometry."""
+    f = None if fmt in DTYPES else get_format(fmt)
+    latent_own = geom.mla_dim and f is not None and (fmt == "fp8_e4m3" or f.kind == "kivi")
+    if f is not None and f.quantized and not latent_own:  # FP8 latent: its own rows; KIVI: refused
+        head_dim = geom.mla_dim or geom.head_dim
+        check_format(f, head_dim=head_dim, dtype=geom.dtype, block_size=block_size)
+    size = layer_bytes_per_block(geom, fmt, block_size)
+    # a model-dtype layer's bytes per token are a whole number: kept an int in the tables
+    return size / block_size if f is not None and f.quantized else size // block_size
 
 
 def plan_capacity(
@@ -209,7 +134,7 @@ def plan_capacity(
     block_size: int = 16,
     context_len: int | None = None,
     kivi_window: int = 0,
-) -> tuple[Geometry, list[CapacityRow]]:
+) -> tuple[KVGeometry, list[CapacityRow]]:
     """The capacity table: one row per format (a name, or a per-layer list of names)."""
     geom = geometry(config)
     budget = parse_memory(memory)
@@ -230,7 +155,7 @@ def plan_capacity(
             raise InvalidArgumentError(str(e)) from e
         label = spec if isinstance(spec, str) else "mixed"
         residual = sum(  # model-dtype residual blocks per request (KIVI layers)
-            (1 + kivi_window) * block_size * layer_bytes_per_token(geom, "auto", block_size)
+            (1 + kivi_window) * layer_bytes_per_block(geom, "auto", block_size)
             for n in names
             if n in ("kivi2", "kivi4")
         )
@@ -257,7 +182,7 @@ def plan_capacity(
     return geom, rows
 
 
-def format_table(geom: Geometry, rows: list[CapacityRow], budget: int) -> str:
+def format_table(geom: KVGeometry, rows: list[CapacityRow], budget: int) -> str:
     """The table ``kvcore plan`` prints."""
     kind = (
         "MLA"
