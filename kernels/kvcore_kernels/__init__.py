@@ -10,9 +10,10 @@ layer shares; per layer ``paged_attention`` runs. ``backend="auto"`` picks Trito
 torch twin elsewhere; ``*_torch`` / ``*_triton`` name one explicitly (same signatures; the
 Triton ones import triton on first access, so this package imports without it).
 
-DeepSeek-style MLA caches one latent per token (subpackage ``mla``; ``mla.cache``: ``[num_blocks,
-block_size, kv_lora_rank + rope_dim]``): ``store_latent`` writes it, ``mla_attention`` attends over it
-(absorbed form), with the same per-step ``plan_attention`` metadata.
+DeepSeek-style MLA caches one latent per token (subpackage ``mla``; ``mla.cache``:
+``[num_blocks, block_size, kv_lora_rank + rope_dim]``): ``store_latent`` writes it,
+``mla_attention`` attends over it (absorbed form), with the same per-step ``plan_attention``
+metadata.
 """
 
 from kvcore_kernels.attention import paged_attention

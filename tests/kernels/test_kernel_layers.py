@@ -17,7 +17,7 @@ LAYERS = {
     "errors": 0, "device": 0, "triton_util": 0,
     "cache": 1, "plan": 1, "checks": 1, "mla.cache": 1, "quant.formats": 1, "quant.codecs": 1,
     "quant.residual": 1, "quant.cache": 1, "quant.checks": 1,
-    "schedule": 2, "splits_triton": 2, "chunks_torch": 2, "quant.load_triton": 2,
+    "schedule": 2, "splits_triton": 2, "chunks_torch": 2, "paged_triton": 2, "quant.load_triton": 2,
     "quant.encode_triton": 2, "quant.read_torch": 2, "softmax_triton": 2,
     "attention_torch": 3, "attention_triton": 3, "store_torch": 3, "store_triton": 3,
     "mla.attention_torch": 3, "mla.attention_triton": 3, "quant.attention_torch": 3,
@@ -102,8 +102,8 @@ def test_each_module_imports_on_its_own():
     # module gets only what it imports itself: a module that works only after another one was
     # imported, or an import cycle, fails here. The namespaces' own __init__ run last, for real.
     mods = _modules()
-    names = [m for m in mods if not m.endswith("__init__")] + ["__init__", "quant.__init__",
-                                                               "mla.__init__"]
+    namespaces = ["__init__", "quant.__init__", "mla.__init__"]
+    names = [m for m in mods if not m.endswith("__init__")] + namespaces
     code = (
         "import importlib, sys, types, torch, triton\n"
         f"pkg = {str(PKG)!r}\n"
