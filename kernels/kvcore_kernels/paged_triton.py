@@ -48,7 +48,8 @@ from kvcore_kernels.schedule import (
 from kvcore_kernels.splits_triton import choose_num_splits, merge_splits_kernel
 from kvcore_kernels.triton_util import check_triton_device, compute_dtype, is_interpreted
 
-# The arguments of every KV_LOOP, in order (documentation; the kernel passes them so).
+# The arguments of every KV_LOOP, in the order the kernel passes them (positionally; a test
+# checks each loop's signature against it).
 KV_LOOP_ARGS = (
     "acc", "m_i", "l_i", "q", "q_pos", "slope", "row_ok", "req", "kv_head", "split",
     "num_splits", "ctx", "q_first", "k_start", "k_end", "table_row", "qk_scale", "soft_cap",

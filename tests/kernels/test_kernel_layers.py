@@ -119,3 +119,15 @@ def test_each_module_imports_on_its_own():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_every_kv_loop_takes_the_same_arguments():
+    # paged_triton's kernel calls each layout's KV_LOOP with KV_LOOP_ARGS, positionally.
+    import inspect
+
+    from kvcore_kernels.attention_triton import plain_kv_loop
+    from kvcore_kernels.paged_triton import KV_LOOP_ARGS
+    from kvcore_kernels.quant.attention_triton import quant_kv_loop
+
+    for loop in (plain_kv_loop, quant_kv_loop):
+        assert tuple(inspect.signature(loop.fn).parameters) == KV_LOOP_ARGS, loop.fn.__name__
