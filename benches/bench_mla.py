@@ -77,7 +77,7 @@ def kvcore_timed(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[l
 def prefill_forms(cfg, lengths: tuple[int, ...], dtype: torch.dtype) -> dict[str, float]:
     """ms of one layer's MLA op on one fresh prefill chunk, absorbed vs expanded vs auto."""
     import kvcore_kernels as kk
-    from kvcore_kernels import mla_torch
+    from kvcore_kernels.mla import attention_torch as mla_torch
 
     h, r, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     nope, v, bs = cfg.qk_nope_head_dim, cfg.v_head_dim, 16

@@ -13,7 +13,7 @@ from kvcore.models.mla import tiny_deepseek
 from kvcore.models.sizes import mha_equivalent_bytes_per_token
 from kvcore.params import SamplingParams
 from kvcore.runner.mla import MLAAttention
-from kvcore_kernels import mla_torch
+from kvcore_kernels.mla import attention_torch as mla_torch
 
 VOCAB = 256
 SMALL = dict(
@@ -152,7 +152,7 @@ def test_unsupported_features_fail_at_load_by_name():
 
 
 def test_fp8_latent_serves_with_exact_allocation(model):
-    from kvcore_kernels.mla_cache import fp8_row_bytes
+    from kvcore_kernels.mla.cache import fp8_row_bytes
 
     cfg = model.config
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim

@@ -10,9 +10,10 @@ layer shares; per layer ``paged_attention`` runs. ``backend="auto"`` picks Trito
 torch twin elsewhere; ``*_torch`` / ``*_triton`` name one explicitly (same signatures; the
 Triton ones import triton on first access, so this package imports without it).
 
-DeepSeek-style MLA caches one latent per token (``mla_cache``: ``[num_blocks, block_size,
-kv_lora_rank + rope_dim]``): ``store_latent`` writes it, ``mla_attention`` attends over it
-(absorbed form), with the same per-step ``plan_attention`` metadata.
+DeepSeek-style MLA caches one latent per token (subpackage ``mla``; ``mla.cache``:
+``[num_blocks, block_size, kv_lora_rank + rope_dim]``): ``store_latent`` writes it,
+``mla_attention`` attends over it (absorbed form), with the same per-step ``plan_attention``
+metadata.
 """
 
 from kvcore_kernels.attention import paged_attention
@@ -20,13 +21,13 @@ from kvcore_kernels.attention_torch import paged_attention_torch
 from kvcore_kernels.cache import NULL_BLOCK, allocate_kv_cache
 from kvcore_kernels.device import normalize_device
 from kvcore_kernels.errors import KernelConfigError
-from kvcore_kernels.mla import mla_attention, store_latent
-from kvcore_kernels.mla_cache import (
+from kvcore_kernels.mla.attention import mla_attention, store_latent
+from kvcore_kernels.mla.attention_torch import mla_attention_torch, store_latent_torch
+from kvcore_kernels.mla.cache import (
     allocate_latent_cache,
     allocate_latent_fp8_cache,
     latent_bytes_per_token,
 )
-from kvcore_kernels.mla_torch import mla_attention_torch, store_latent_torch
 from kvcore_kernels.plan import AttentionMetadata, plan_attention
 from kvcore_kernels.store import store_kv
 from kvcore_kernels.store_torch import store_kv_torch
@@ -36,8 +37,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "paged_attention_triton": "kvcore_kernels.attention_triton",
     "store_kv_triton": "kvcore_kernels.store_triton",
-    "mla_attention_triton": "kvcore_kernels.mla_triton",
-    "store_latent_triton": "kvcore_kernels.mla_triton",
+    "mla_attention_triton": "kvcore_kernels.mla.attention_triton",
+    "store_latent_triton": "kvcore_kernels.mla.attention_triton",
 }
 
 

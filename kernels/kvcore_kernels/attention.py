@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from kvcore_kernels.cache import check_backend, check_kv_cache
-from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
 
 
@@ -47,42 +46,20 @@ def paged_attention(
     the head counts. ``backend``: "auto" (Triton on CUDA, the torch twin otherwise), "triton",
     "torch". Raises ``KernelConfigError`` for inputs or feature combinations it does not support.
     A ``kvcore_kernels.quant.QuantKVCache`` is dequantized as it is loaded
-    (``paged_attention_quant``, same contract).
+    (``paged_attention_quant``, same contract; ``block_mass`` on plain caches only). The
+    backends take these keywords as ``**options`` (``checks.check_attention_call``).
     """
+    options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                   alibi_slopes=alibi_slopes, out=out, block_mass=block_mass)  # fmt: skip
     if not isinstance(kv_cache, torch.Tensor):
         from kvcore_kernels.quant.attention import paged_attention_quant
         from kvcore_kernels.quant.cache import QuantKVCache
 
         if isinstance(kv_cache, QuantKVCache):
-            if block_mass is not None or getattr(meta, "num_released", 0):
-                raise KernelConfigError(
-                    "released blocks (null block-table entries) and block_mass are supported "
-                    "on plain caches only, not on quantized ones"
-                )
-            return paged_attention_quant(
-                query,
-                kv_cache,
-                meta,
-                scale=scale,
-                sliding_window=sliding_window,
-                soft_cap=soft_cap,
-                alibi_slopes=alibi_slopes,
-                out=out,
-                backend=backend,
-            )
+            return paged_attention_quant(query, kv_cache, meta, backend=backend, **options)
     check_kv_cache(kv_cache)
     if check_backend(backend, kv_cache.device) == "triton":
         from kvcore_kernels.attention_triton import paged_attention_triton as run
     else:
         from kvcore_kernels.attention_torch import paged_attention_torch as run
-    return run(
-        query,
-        kv_cache,
-        meta,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        alibi_slopes=alibi_slopes,
-        out=out,
-        block_mass=block_mass,
-    )
+    return run(query, kv_cache, meta, **options)

@@ -1,8 +1,8 @@
 """Argument checks the plain-cache backends share (bottom layer: no kernel imports).
 
-``check_attention_args`` checks a paged-attention call (the quantized path checks through it
-too, with ``quant.checks.shape_proxy`` standing in for its cache); ``check_store_args`` a
-cache write.
+``check_attention_call`` checks a paged-attention call and returns it normalised (the quantized
+path checks through it too, with ``quant.checks.shape_proxy`` standing in for its cache);
+``check_store_args`` a cache write.
 """
 
 from __future__ import annotations
@@ -26,6 +26,50 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     block_size: int
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A checked ``paged_attention`` call: its sizes and its options, normalised."""
+
+    shape: AttentionShape
+    scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+    alibi_slopes: torch.Tensor | None
+    out: torch.Tensor  # the caller's, or a new tensor like the query
+    block_mass: torch.Tensor | None
+
+
+def check_attention_call(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    options: dict,
+) -> AttentionCall:
+    """``check_attention_args`` and ``check_block_mass`` over ``options`` (``scale`` and the
+    optional ``sliding_window``, ``soft_cap``, ``alibi_slopes``, ``out``, ``block_mass``
+    keywords of ``paged_attention``); numbers become plain floats and ints, ``out`` is
+    allocated if None. Raises ``KernelConfigError``."""
+    opts = dict(sliding_window=None, soft_cap=None, alibi_slopes=None, out=None, block_mass=None)
+    unknown = set(options) - set(opts) - {"scale"}
+    if unknown:
+        raise KernelConfigError(f"unknown paged_attention options {sorted(unknown)}")
+    opts.update(options)
+    window, cap, out = opts["sliding_window"], opts["soft_cap"], opts["out"]
+    shape = check_attention_args(
+        query, kv_cache, meta, options.get("scale"), window, cap, opts["alibi_slopes"], out
+    )
+    check_block_mass(opts["block_mass"], meta, query.device)
+    return AttentionCall(
+        shape=shape,
+        scale=float(options["scale"]),
+        sliding_window=None if window is None else int(window),
+        soft_cap=None if cap is None else float(cap),
+        alibi_slopes=opts["alibi_slopes"],
+        out=torch.empty_like(query) if out is None else out,
+        block_mass=opts["block_mass"],
+    )
 
 
 def check_attention_args(

@@ -1,8 +1,14 @@
-"""The torch twins' chunked schedule, shared by the plain and the quantized twin.
+"""The torch twins' chunked schedule and chunk attention, shared by the plain and quantized twin.
 
-``build_chunks`` cuts a step's requests into chunks of about a budget of gathered keys (built
-once per step and window, cached in the metadata); ``attend_explicit`` is the fp32 soft-cap /
-ALiBi path over one chunk's gathered K and V (and the path that measures attention mass).
+``twin_chunks`` cuts a step's requests into chunks of about a byte budget of gathered K and V
+(``build_chunks``; built once per step and window, cached in the metadata). A twin loads each
+chunk's K and V its own way (a gather of model-dtype blocks, or a decode of quantized ones)
+and ``attend_chunk`` does the rest: zeroing of the rows past each sequence's end (the cache may
+hold anything there, NaN included), one fused ``scaled_dot_product_attention`` (GQA without
+repeating K/V) or the explicit path, and the write into the output. ``attend_explicit`` is the
+fp32 soft-cap / ALiBi path (and the one that measures attention mass: SDPA does not return its
+probabilities): per chunk the probabilities are summed over heads and query rows into a
+per-key vector, folded into blocks and added to ``block_mass`` with one ``index_add_``.
 
 Released blocks (null entries inside a sequence's range, ``plan`` module doc) are not gathered:
 each request's live blocks are packed to the front of its key range, with their logical
@@ -16,7 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from kvcore_kernels.checks import AttentionCall
 from kvcore_kernels.plan import AttentionMetadata
 
 # Gathered K+V bytes per chunk and per thread: the chunk is read back while still in cache.
@@ -72,6 +80,65 @@ class TwinChunk:
         if self.window is not None:
             ok &= q - self.k_pos[:, None, :] < self.window
         return ok[:, None]
+
+
+def twin_chunks(meta: AttentionMetadata, window: int | None, bytes_per_key: int) -> list[TwinChunk]:
+    """The step's chunks for ``window``, each of about ``CHUNK_BYTES_PER_THREAD`` per thread
+    of loaded K and V (``bytes_per_key``: one key's K and V as the twin holds them); built once
+    per step, window and budget, cached in the metadata."""
+    budget = max(1, CHUNK_BYTES_PER_THREAD * torch.get_num_threads() // bytes_per_key)
+    key = ("torch", window, budget)
+    if key not in meta.cache:
+        meta.cache[key] = build_chunks(meta, window, budget)
+    return meta.cache[key]
+
+
+def attend_chunk(query: torch.Tensor, c: TwinChunk, kv: torch.Tensor, call: AttentionCall) -> None:
+    """Attend chunk ``c``'s queries over its loaded ``kv`` (``[n, 2, key_len, Hk, D]`` in the
+    query's dtype, K then V; the rows past each sequence's end are zeroed here) and write the
+    real rows into ``call.out`` (and add their mass to ``call.block_mass``)."""
+    n, hq, d = c.num_reqs, query.shape[1], query.shape[2]
+    key_len = kv.shape[2]
+    if c.pad_rows is not None:
+        kv.view(2 * n * key_len, -1).index_fill_(0, c.pad_rows, 0)
+    k, v = kv[:, 0], kv[:, 1]  # [n, key_len, Hk, D] each
+    if c.q_range is not None:
+        q = query[c.q_range[0] : c.q_range[1]].unflatten(0, (n, c.q_max))  # a view
+    else:
+        q = query.index_select(0, c.q_index).view(n, c.q_max, hq, d)
+    mass = call.block_mass
+    if call.soft_cap is not None or call.alibi_slopes is not None or mass is not None:
+        key_mass = None
+        if mass is not None:
+            key_mass = torch.zeros(n, key_len, dtype=torch.float32, device=query.device)
+        o = attend_explicit(q, k, v, c, call.scale, call.soft_cap, call.alibi_slopes, key_mass)
+        if key_mass is not None:
+            _add_block_mass(mass, key_mass, c, key_len // c.num_blocks)
+    else:
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=c.mask_as(query.dtype),
+            is_causal=c.is_causal,
+            scale=call.scale,
+            enable_gqa=hq != k.shape[2],
+        ).transpose(1, 2)  # [n, q_max, Hq, D]
+    rows = o.reshape(n * c.q_max, hq, d)
+    if c.out_range is not None:
+        call.out[c.out_range[0] : c.out_range[1]] = rows
+        return
+    if c.src_rows is not None:
+        rows = rows.index_select(0, c.src_rows)
+    call.out.index_copy_(0, c.out_index, rows)
+
+
+def _add_block_mass(block_mass: torch.Tensor, key_mass: torch.Tensor, c, bs: int) -> None:
+    """Fold a chunk's per-key mass [n, key_len] into blocks and add it at (request, column)."""
+    per_block = key_mass.view(c.num_reqs, c.num_blocks, bs).sum(-1).reshape(-1)
+    index = c.req_index[:, None] * block_mass.shape[1] + c.block_cols  # [n, nb]
+    index = torch.from_numpy(index.reshape(-1)).to(block_mass.device)
+    block_mass.view(-1).index_add_(0, index, per_block)
 
 
 def build_chunks(

@@ -112,8 +112,8 @@ def reference_attention(
 def triton_interpreted() -> bool:
     """Whether the Triton kernels run here on CPU tensors (built under TRITON_INTERPRET=1)."""
     try:
-        from kvcore_kernels.attention_triton import _paged_attention_kernel
+        from kvcore_kernels.paged_triton import paged_attention_kernel
         from kvcore_kernels.triton_util import is_interpreted
     except ImportError:
         return False
-    return is_interpreted(_paged_attention_kernel)
+    return is_interpreted(paged_attention_kernel)

@@ -15,16 +15,17 @@ PKG = Path(kvcore_kernels.__file__).parent
 # pick the layout's variant, 6 package namespaces.
 LAYERS = {
     "errors": 0, "device": 0, "triton_util": 0,
-    "cache": 1, "plan": 1, "checks": 1, "mla_cache": 1, "quant.formats": 1, "quant.codecs": 1,
+    "cache": 1, "plan": 1, "checks": 1, "mla.cache": 1, "quant.formats": 1, "quant.codecs": 1,
     "quant.residual": 1, "quant.cache": 1, "quant.checks": 1,
-    "schedule": 2, "splits_triton": 2, "chunks_torch": 2, "quant.load_triton": 2,
+    "schedule": 2, "splits_triton": 2, "chunks_torch": 2, "paged_triton": 2, "quant.load_triton": 2,
     "quant.encode_triton": 2, "quant.read_torch": 2, "softmax_triton": 2,
     "attention_torch": 3, "attention_triton": 3, "store_torch": 3, "store_triton": 3,
-    "mla_torch": 3, "mla_triton": 3, "quant.attention_torch": 3, "quant.attention_triton": 3,
+    "mla.attention_torch": 3, "mla.attention_triton": 3, "quant.attention_torch": 3,
+    "quant.attention_triton": 3,
     "quant.store_torch": 3, "quant.store_triton": 3, "quant.kivi_triton": 3,
-    "mla": 4, "quant.attention": 4, "quant.store": 4, "quant.blocks": 4,
+    "mla.attention": 4, "quant.attention": 4, "quant.store": 4, "quant.blocks": 4,
     "attention": 5, "store": 5,
-    "__init__": 6, "quant.__init__": 6,
+    "__init__": 6, "quant.__init__": 6, "mla.__init__": 6,
 }  # fmt: skip
 SAME_LAYER_OK = (0, 1, 2)  # backends never import backends, dispatchers never dispatchers
 
@@ -100,7 +101,8 @@ def test_each_module_imports_on_its_own():
     # module gets only what it imports itself: a module that works only after another one was
     # imported, or an import cycle, fails here. The namespaces' own __init__ run last, for real.
     mods = _modules()
-    names = [m for m in mods if not m.endswith("__init__")] + ["__init__", "quant.__init__"]
+    namespaces = ["__init__", "quant.__init__", "mla.__init__"]
+    names = [m for m in mods if not m.endswith("__init__")] + namespaces
     code = (
         "import importlib, sys, types, torch, triton\n"
         f"pkg = {str(PKG)!r}\n"
@@ -108,10 +110,23 @@ def test_each_module_imports_on_its_own():
         "    for k in [k for k in sys.modules if k.startswith('kvcore_kernels')]:\n"
         "        del sys.modules[k]\n"
         "    if not m.endswith('__init__'):\n"
-        "        for ns, sub in (('kvcore_kernels', ''), ('kvcore_kernels.quant', '/quant')):\n"
+        "        for ns, sub in (('kvcore_kernels', ''), ('kvcore_kernels.quant', '/quant'),\n"
+        "                        ('kvcore_kernels.mla', '/mla')):\n"
         "            sys.modules[ns] = types.ModuleType(ns)\n"
         "            sys.modules[ns].__path__ = [pkg + sub]\n"
         "    importlib.import_module(('kvcore_kernels.' + m).removesuffix('.__init__'))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_every_kv_loop_takes_the_same_arguments():
+    # paged_triton's kernel calls each layout's KV_LOOP with KV_LOOP_ARGS, positionally.
+    import inspect
+
+    from kvcore_kernels.attention_triton import plain_kv_loop
+    from kvcore_kernels.paged_triton import KV_LOOP_ARGS
+    from kvcore_kernels.quant.attention_triton import quant_kv_loop
+
+    for loop in (plain_kv_loop, quant_kv_loop):
+        assert tuple(inspect.signature(loop.fn).parameters) == KV_LOOP_ARGS, loop.fn.__name__

@@ -14,7 +14,7 @@ import kvcore_kernels as kk
 import pytest
 import torch
 from kernel_reference import make_batch, reference_attention, triton_interpreted
-from kvcore_kernels import attention_torch, chunks_torch
+from kvcore_kernels import chunks_torch
 
 CASES = {
     # (tokens already cached, query tokens) per request
@@ -126,7 +126,7 @@ def test_twin_random_batches(gen):
 
 @pytest.mark.parametrize("chunk_bytes", [1, 1 << 12, 1 << 30])
 def test_twin_chunking_does_not_change_results(gen, monkeypatch, chunk_bytes):
-    monkeypatch.setattr(attention_torch, "CHUNK_BYTES_PER_THREAD", chunk_bytes)
+    monkeypatch.setattr(chunks_torch, "CHUNK_BYTES_PER_THREAD", chunk_bytes)
     check(gen, "torch", CASES["mixed"] + CASES["decode"], features={"sliding_window": 30})
     check(gen, "torch", CASES["mixed"], features={"soft_cap": 2.0})
 
@@ -172,7 +172,7 @@ def test_strided_query_and_out(gen, monkeypatch, backend, chunk_bytes):
     """Views with a row stride (slices of a fused QKV projection, of a wider output) work."""
     if backend == "triton":
         needs_interpreter()
-    monkeypatch.setattr(attention_torch, "CHUNK_BYTES_PER_THREAD", chunk_bytes)
+    monkeypatch.setattr(chunks_torch, "CHUNK_BYTES_PER_THREAD", chunk_bytes)
     b = make_batch(
         gen,
         [(0, 30), (20, 1)],

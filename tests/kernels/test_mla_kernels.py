@@ -104,7 +104,7 @@ def test_twin_bf16_and_dispatcher(gen):
 
 def _triton_ok() -> bool:
     try:
-        from kvcore_kernels.mla_triton import _mla_decode_kernel
+        from kvcore_kernels.mla.attention_triton import _mla_decode_kernel
         from kvcore_kernels.triton_util import is_interpreted
     except ImportError:
         return False
@@ -191,7 +191,7 @@ def test_bad_input(gen):
 
 @pytest.mark.parametrize("case", ["mixed", "decode"])
 def test_fp8_latent_store_and_attention(gen, case):
-    from kvcore_kernels.mla_cache import FP8_MAX, fp8_row_bytes, fp8_views
+    from kvcore_kernels.mla.cache import FP8_MAX, fp8_row_bytes, fp8_views
 
     step, lats = make_step(gen, CASES[case], **DIMS)
     meta, bs = step["meta"], step["meta"].block_size

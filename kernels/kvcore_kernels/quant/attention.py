@@ -15,39 +15,36 @@ def paged_attention_quant(
     cache: QuantKVCache,
     meta: AttentionMetadata,
     *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
     backend: str = "auto",
+    **options,
 ) -> torch.Tensor:
-    """``paged_attention``'s contract over a ``QuantKVCache``: K/V are decoded as they are
-    loaded, per tile (Triton) or per gathered chunk (torch twin), never for the whole cache.
-    ``backend``: "auto" (Triton on CUDA, the torch twin otherwise), "triton" or "torch".
+    """``paged_attention``'s contract over a ``QuantKVCache`` (``options``: its keywords,
+    ``scale`` and the optional ``sliding_window``, ``soft_cap``, ``alibi_slopes``, ``out``;
+    released blocks included; ``block_mass`` is for plain caches only). K/V are decoded as
+    they are loaded, per tile (Triton) or per gathered chunk (torch twin), never for the whole
+    cache. ``backend``: "auto" (Triton on CUDA, the torch twin otherwise), "triton" or "torch".
     Rotated caches get ``query @ R`` (scores unchanged) and, for rotated values, the output
     rotated back; the backends themselves work in the stored basis."""
     if not isinstance(cache, QuantKVCache):
         raise KernelConfigError("cache must be a QuantKVCache (allocate_kv_caches)")
-    if getattr(meta, "num_released", 0):
+    if options.get("block_mass") is not None:
         raise KernelConfigError(
-            "released blocks (null block-table entries) are supported on plain caches only, "
-            "not on quantized ones"
+            "block_mass (attention mass per block) is supported on plain caches only, not on "
+            "quantized ones"
         )
+    options.pop("block_mass", None)
     if check_backend(backend, cache.device) == "triton":
         from kvcore_kernels.quant.attention_triton import paged_attention_quant_triton as run
     else:
         from kvcore_kernels.quant.attention_torch import paged_attention_quant_torch as run
+    out = options.pop("out", None)
     rotated_v = "v" in cache.rotate
     result = run(
         cache.rotate_in(query, "k") if isinstance(query, torch.Tensor) else query,
         cache,
         meta,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        alibi_slopes=alibi_slopes,
         out=None if rotated_v else out,
+        **options,
     )
     if not rotated_v:
         return result

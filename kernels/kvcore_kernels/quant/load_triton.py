@@ -36,7 +36,10 @@ def tile_keys(
     PB: tl.constexpr,  # slots per unit (<= the padded block size)
     SUBS: tl.constexpr,  # units per block
 ):
-    """(keys, pos, key_ok, block) of the ``BLOCK_N`` rows of tile ``t``, each ``[BLOCK_N]``."""
+    """(keys, pos, key_ok, block) of the ``BLOCK_N`` rows of tile ``t``, each ``[BLOCK_N]``.
+
+    ``key_ok`` is off for padding slots, keys past ``k_end`` and keys of released blocks (a
+    null block-table entry inside the sequence: nothing of the null block is read)."""
     r = tl.arange(0, BLOCK_N)
     unit = t * (BLOCK_N // PB) + r // PB
     pos = (unit % SUBS) * PB + r % PB  # slot within its block
@@ -44,7 +47,7 @@ def tile_keys(
     keys = k_lo + rel * BLOCK_SIZE + pos
     key_ok = (pos < BLOCK_SIZE) & (keys < k_end)
     block = tl.load(block_table_row + first_block + rel, mask=key_ok, other=0).to(tl.int64)
-    return keys, pos, key_ok, block
+    return keys, pos, key_ok & (block != 0), block
 
 
 @triton.jit
@@ -52,9 +55,14 @@ def unpack(byte, BITS: tl.constexpr):
     """uint8 ``[N, D * BITS / 8]`` -> int32 codes ``[N, D]`` (element d in byte d // (8 / BITS) at
     bit (d % (8 / BITS)) * BITS): shifts and masks in registers after one wide load."""
     b = byte.to(tl.int32)
+    # One return: Triton 3.9 compares the types of every return of a function, constexpr
+    # branches included, and two returns of different widths do not compile.
     if BITS == 4:
-        return tl.interleave(b & 15, b >> 4)
-    return tl.interleave(tl.interleave(b & 3, (b >> 4) & 3), tl.interleave((b >> 2) & 3, b >> 6))
+        codes = tl.interleave(b & 15, b >> 4)
+    else:
+        lo = tl.interleave(b & 3, (b >> 4) & 3)
+        codes = tl.interleave(lo, tl.interleave((b >> 2) & 3, b >> 6))
+    return codes
 
 
 @triton.jit

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvcore_kernels.mla_cache import fp8_row_bytes
+from kvcore_kernels.mla import fp8_row_bytes
 from kvcore_kernels.quant import block_layout
 from kvcore_kernels.quant import get_format as get_kv_format
 
@@ -136,7 +136,7 @@ def layer_bytes_per_block(
         return block_size * width * torch.empty((), dtype=plain).element_size()
     if not geom.mla_dim:
         return block_layout(f, block_size, geom.num_kv_heads, geom.head_dim).block_bytes
-    if fmt == "fp8_e4m3":  # kvcore's FP8 latent (kvcore_kernels.mla_cache)
+    if fmt == "fp8_e4m3":  # kvcore's FP8 latent (kvcore_kernels.mla.cache)
         return fp8_row_bytes(block_size, geom.mla_dim)
     if f.kind == "kivi":
         raise InvalidArgumentError(f"{fmt}: KIVI does not apply to MLA latents")

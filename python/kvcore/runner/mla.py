@@ -20,7 +20,7 @@ Without kvcore's step context (e.g. transformers' ``generate`` on the same model
 module runs the original attention, so peers can share the model.
 
 Cache layout, per layer: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` in the
-model dtype (``kvcore_kernels.mla_cache``). Which configs are MLA, their latent dims and the
+model dtype (``kvcore_kernels.mla.cache``). Which configs are MLA, their latent dims and the
 refused features are ``kvcore.models.mla``; bytes per block are ``kvcore.models.sizes``.
 """
 

@@ -1,10 +1,11 @@
-"""MLA (latent cache) entry points: pick a backend and call it. The top layer of the MLA kernels.
+"""MLA (latent cache) entry points: pick a backend and call it. The top layer of ``mla``.
 
 Layers (each imports only from those below it, never a private name)::
 
-    mla            store_latent, mla_attention            (this dispatcher)
-    mla_torch      store_latent_torch, mla_attention_torch       mla_triton (same, Triton)
-    mla_cache      layout, allocation, argument checks, absorb/unabsorb helpers
+    mla.attention         store_latent, mla_attention            (this dispatcher)
+    mla.attention_torch   store_latent_torch, mla_attention_torch
+    mla.attention_triton  store_latent_triton, mla_attention_triton (same contract)
+    mla.cache             layout, allocation, argument checks, absorb/unabsorb helpers
     errors, cache (backend choice), plan (AttentionMetadata)
 
 The metadata is the plain kernels' ``plan_attention`` output: one plan per step serves plain,
@@ -17,7 +18,7 @@ import torch
 
 from kvcore_kernels.cache import check_backend
 from kvcore_kernels.errors import KernelConfigError
-from kvcore_kernels.mla_torch import mla_attention_torch, store_latent_torch
+from kvcore_kernels.mla.attention_torch import mla_attention_torch, store_latent_torch
 from kvcore_kernels.plan import AttentionMetadata
 
 
@@ -37,7 +38,7 @@ def store_latent(
     if backend == "auto" and cache.dtype == torch.uint8:
         backend = "torch"  # FP8 latents: the Triton kernels do not write them yet
     if check_backend(backend, cache.device) == "triton":
-        from kvcore_kernels.mla_triton import store_latent_triton
+        from kvcore_kernels.mla.attention_triton import store_latent_triton
 
         store_latent_triton(c_kv, k_pe, cache, slot_mapping)
     else:
@@ -62,7 +63,7 @@ def mla_attention(
     ``q_nope`` [T, H, nope] and ``q_pe`` [T, H, rope] (after RoPE) are the model's queries;
     ``w_uk`` [H, nope, r] and ``w_uv`` [H, v_dim, r] the per-head slices of ``kv_b_proj``.
     Decode always runs the absorbed form; the torch twin up-projects long prefill chunks when
-    that is cheaper (see ``mla_torch``). Raises ``KernelConfigError`` on bad input."""
+    that is cheaper (see ``mla.attention_torch``). Raises ``KernelConfigError`` on bad input."""
     if not isinstance(cache, torch.Tensor):
         raise KernelConfigError(f"latent cache must be a torch.Tensor, got {type(cache).__name__}")
     if getattr(meta, "num_released", 0):
@@ -72,7 +73,7 @@ def mla_attention(
     if backend == "auto" and cache.dtype == torch.uint8:
         backend = "torch"  # FP8 latents: the Triton kernels do not read them yet
     if check_backend(backend, cache.device) == "triton":
-        from kvcore_kernels.mla_triton import mla_attention_triton as run
+        from kvcore_kernels.mla.attention_triton import mla_attention_triton as run
     else:
         run = mla_attention_torch
     return run(q_nope, q_pe, cache, meta, w_uk=w_uk, w_uv=w_uv, scale=scale, out=out)

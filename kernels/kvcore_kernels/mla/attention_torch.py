@@ -1,6 +1,6 @@
 """Pure-torch twin of the MLA kernels: the test oracle's peer and the CPU path.
 
-Backend layer: imports the layout and checks (``mla_cache``) and the metadata (``plan``), never
+Backend layer: imports the layout and checks (``mla.cache``) and the metadata (``plan``), never
 the dispatcher. Requests are sorted (decode first, then by query length and blocks needed) and cut
 into chunks of about ``budget`` gathered latent rows. Per chunk and layer: one ``index_select``
 of whole blocks, zeroing of the rows past each sequence's end (free slots may hold anything, NaN
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcore_kernels.errors import KernelConfigError
-from kvcore_kernels.mla_cache import (
+from kvcore_kernels.mla.cache import (
     FP8_DTYPE,
     FP8_MAX,
     absorb_query,

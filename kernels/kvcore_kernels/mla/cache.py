@@ -1,8 +1,9 @@
 """The latent (MLA) cache layout, its allocation and the checks both MLA backends share.
 
 Bottom layer of the MLA kernels: it imports only ``errors``, ``cache`` (backend choice) and
-``plan`` (the metadata type); the backends (``mla_torch``, ``mla_triton``) sit above it and the
-dispatcher (``mla``) on top. Nothing here imports a backend.
+``plan`` (the metadata type); the backends (``mla.attention_torch``,
+``mla.attention_triton``: latent store and attention each) sit above it and the dispatcher
+(``mla.attention``) on top. Nothing here imports a backend.
 
 Layout (per layer, one tensor, the model's dtype). DeepSeek's Multi-head Latent Attention caches
 one latent per token, shared by every head: the compressed ``c_kv`` (after ``kv_a_layernorm``)

@@ -1,6 +1,6 @@
 """Triton MLA kernels: the latent store and absorbed-form attention over the paged latent cache.
 
-Backend layer: imports ``mla_cache`` (layout, checks, absorb/unabsorb), ``plan``, ``schedule``,
+Backend layer: imports ``mla.cache`` (layout, checks, absorb/unabsorb), ``plan``, ``schedule``,
 ``softmax_triton`` and ``triton_util``; never the dispatcher. Attention grid ``(num_tiles,
 num_head_tiles)``: a tile is up to ``BLOCK_Q`` consecutive query tokens of one request times
 ``BLOCK_H`` heads; every head shares the one latent "KV head", so each latent tile is loaded
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kvcore_kernels.errors import KernelConfigError
-from kvcore_kernels.mla_cache import (
+from kvcore_kernels.mla.cache import (
     absorb_query,
     check_mla_args,
     check_store_latent_args,
