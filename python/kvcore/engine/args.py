@@ -88,6 +88,11 @@ class EngineArgs:
     remote_timeout_s: float = _arg(
         0.5, "per Redis call; a slower fetch is a miss", type=at.float_in(0, 60, low_open=True)
     )
+    tier_secret_file: str | None = _arg(
+        None,
+        "file of the secret that authenticates L3/L4 values (default: $KVCORE_TIER_SECRET, "
+        "else one created in the disk tier or cache directory; docs/tiers.md)",
+    )
     retention: str = _arg("full", "default retention policy (docs/retention.md)", cli=False)
     sliding_window_release: bool = _arg(True, "release blocks behind a window", cli=False)
     # ---- scheduler (SchedulerConfig)
@@ -139,6 +144,13 @@ class EngineArgs:
                 f"unknown engine argument(s) {', '.join(unknown)} (see kvcore.engine.args)"
             )
         return cls(**kwargs)
+
+    def validate(self) -> None:
+        """Checks every setting before anything loads or binds (``InvalidArgumentError``,
+        one line; ``kvcore.engine.validate``). ``LLMEngine`` and the CLI call it."""
+        from kvcore.engine.validate import validate
+
+        validate(self)
 
     def replace(self, **changes: Any) -> EngineArgs:
         """A copy with ``changes`` applied."""

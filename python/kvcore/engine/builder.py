@@ -20,7 +20,7 @@ from kvcore.engine.inputs import check_engine_args, eos_ids
 from kvcore.engine.request import build_scheduler
 from kvcore.engine.sampler import Sampler
 from kvcore.engine.stats import EngineStats
-from kvcore.errors import InvalidArgumentError
+from kvcore.errors import InvalidArgumentError, KvCoreError
 from kvcore.models.loader import load_model
 from kvcore.models.sizes import kivi_residual_bytes, kivi_residual_slots, kv_bytes_per_block
 from kvcore.retention.h2o import H2OTracker
@@ -57,10 +57,26 @@ class EngineParts:
     stats: EngineStats
 
 
+def _load(model: Any, tokenizer: Any, **kw: Any) -> tuple[Any, Any]:
+    """``load_model`` with what a broken checkpoint raises (bad JSON, bad UTF-8, unreadable or
+    truncated files, a bad safetensors file) turned into one typed line."""
+    try:
+        return load_model(model, tokenizer, **kw)
+    except KvCoreError:
+        raise
+    except (OSError, UnicodeError, ValueError, EOFError) as e:
+        raise InvalidArgumentError(f"cannot load {model!r}: {type(e).__name__}: {e}") from None
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise InvalidArgumentError(f"cannot load {model!r}: SafetensorError: {e}") from None
+
+
 def build(args: EngineArgs) -> EngineParts:
     """The engine's parts for ``args`` (loads the model)."""
     if not isinstance(args, EngineArgs):
         raise InvalidArgumentError(f"expected EngineArgs, got {type(args).__name__}")
+    args.validate()
     cache_config = args.create_cache_config()
     scheduler_config = args.create_scheduler_config()
     parse_retention(cache_config.retention)  # RetentionError (an InvalidArgumentError)
@@ -75,7 +91,7 @@ def build(args: EngineArgs) -> EngineParts:
     check_engine_args(seed, kernel_backend, dev)
     if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len > 1):
         raise InvalidArgumentError(f"max_model_len must be an int > 1, got {max_model_len!r}")
-    model, tokenizer = load_model(model, tokenizer, dtype=dtype, device=dev, seed=seed)
+    model, tokenizer = _load(model, tokenizer, dtype=dtype, device=dev, seed=seed)
     config = model.config
     vocab_size = int(config.vocab_size)
     limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
@@ -103,7 +119,9 @@ def build(args: EngineArgs) -> EngineParts:
         bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, formats[:g])
     num_blocks = cc.resolve_num_blocks(bytes_per_block, dev, reserved)
     eos_token_ids = eos_ids(model, tokenizer)
-    tier_args, codec = tier_scheduler_args(cc, sc, model, bytes_per_block, formats)
+    tier_args, codec = tier_scheduler_args(
+        cc, sc, model, bytes_per_block, formats, secret_file=args.tier_secret_file
+    )
     scheduler = build_scheduler(
         num_blocks,
         cache_config,

@@ -13,7 +13,12 @@ other threads can add and abort requests meanwhile: no block is allocated before
 ``schedule()``, and rows of requests aborted during the forward are neither sampled nor applied
 (the scheduler skips them). A step that raises aborts the requests it scheduled (their KV
 computed in earlier steps stays cached; ``RequestOutput.error`` says why), closes itself in the
-scheduler and re-raises: the engine keeps serving everyone else.
+scheduler and re-raises: the engine keeps serving everyone else. A caller that names its own
+requests (``step(owner_ids=...)``, as ``LLM.generate`` and ``stream`` do) loses only those: the
+step's plan is kept and the next ``step()`` runs it again for the other callers' requests (a
+forward is idempotent until ``update()``: it writes the same slots with the same values), so
+they finish with their normal outputs. A plan that fails twice with an error (not an
+interrupt) aborts everyone in it, so a failure that repeats cannot loop.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -75,6 +81,8 @@ class LLMEngine:
         self.eos_token_ids = parts.eos_token_ids
         self.scheduler, self.runner, self.tiers = parts.scheduler, parts.runner, parts.tiers
         self.sampler, self.stats = parts.sampler, parts.stats
+        codec = getattr(self.tiers, "codec", None)
+        self._salt_key: bytes = getattr(codec, "salt_key", None) or os.urandom(32)
         self._requests: dict[int, Request] = {}  # internal id -> request
         self._ids: dict[str, int] = {}  # user request id -> internal id
         self._next_id = itertools.count()
@@ -84,6 +92,9 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
         self._deferred_aborts: collections.deque[str] = collections.deque()
+        # A plan whose forward failed in one caller's step, to run again (under _step_lock).
+        self._replay: Any = None
+        self._replay_failures = 0
 
     # ---- admission ----------------------------------------------------------------------
 
@@ -116,7 +127,9 @@ class LLMEngine:
         if ids is not None and len(set(ids)) != n:
             raise InvalidArgumentError("request_ids must be unique, one per prompt")
         prios = priorities(priority, n)
-        namespaces = [salt_namespace(x) for x in broadcast(cache_salt, n, "cache_salt")]
+        namespaces = [
+            salt_namespace(x, self._salt_key) for x in broadcast(cache_salt, n, "cache_salt")
+        ]
         policies = self.retention.resolve(retention, n)
         kept = self.retention.blocks(policies)
         built = []
@@ -160,6 +173,8 @@ class LLMEngine:
                 self._requests[i] = req
                 self._ids[rid] = i
                 self._unscheduled.add(i)
+        if self.tiers is not None:
+            self.tiers.wake()  # a stepper waiting on fetches looks at the new requests now
         return ids
 
     def add_request(
@@ -202,6 +217,11 @@ class LLMEngine:
             if unknown:
                 raise UnknownRequestError(f"unknown request id(s): {unknown}")
             return self._abort_locked(list(dict.fromkeys(self._ids[r] for r in ids)))
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stops the tiers' background I/O, waiting at most ``timeout_s`` for their writes;
+        True if everything finished. Never blocks longer, whatever a tier does."""
+        return True if self.tiers is None else self.tiers.close(timeout_s)
 
     def tier_figures(self) -> dict[str, float]:
         """Per-tier statistics (hit tokens per tier, bytes each way, load latency p50/p95,
@@ -261,49 +281,64 @@ class LLMEngine:
         with self._lock:
             return int(self.scheduler.stats().num_free_blocks) == self.runner.num_blocks - 1
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, owner_ids: Sequence[str] | None = None) -> list[RequestOutput]:
         """Run one step; returns outputs of finished requests and of streaming ones that grew.
 
         Steps run one at a time (a second thread calling ``step`` waits for the first). If the
         step fails (an exception in the forward or sampling, Ctrl-C), the requests it had
         scheduled are aborted with ``RequestOutput.error`` set, every block comes back, and the
         error is raised (``StepFailedError``; ``KeyboardInterrupt`` as it is): the engine goes
-        on serving the other requests."""
+        on serving the other requests. ``owner_ids``: the caller's own request ids; then a
+        failure aborts only those, and the step's other requests run again in the next step
+        (once more for an error, always for an interrupt) with unchanged outputs."""
         with self._step_lock:
-            return self._step()
+            return self._step(owner_ids)
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, owner_ids: Sequence[str] | None = None) -> list[RequestOutput]:
         start = time.perf_counter()
         forward_before = self.runner.forward_seconds
         with self._lock:
             self._drain_deferred_aborts()
-            if self.tiers is not None:  # fetched blocks into L2 before admission looks
-                self.tiers.before_schedule(self.scheduler, self.runner.forward_seconds)
-            plan = self.scheduler.schedule()
-            self.stats.observe_plan(plan, self.scheduler)
-            if len(plan.input_ids) == 0:
-                if self.tiers is not None:
-                    self.tiers.apply(plan)  # moves and fetches of a step with no forward
-                self.scheduler.update(plan.step_id, np.zeros(0, np.int64))
-                if self.tiers is not None and self.tiers.num_fetching:
-                    time.sleep(0.0005)  # only waiting for background fetches
-                return []
-            if self._unscheduled:
-                self._stamp_new(plan, start)
-            mass = self.h2o.mass_tensor(plan, self.runner.device)
+            plan = self._replay
+            if plan is not None and not any(i in self._requests for i in plan.req_ids.tolist()):
+                self._close_replay()  # everyone in the failed step left meanwhile
+                plan = None
+            if plan is None:
+                if self.tiers is not None:  # fetched blocks into L2 before admission looks
+                    self.tiers.before_schedule(self.scheduler, self.runner.forward_seconds)
+                plan = self.scheduler.schedule()
+                self.stats.observe_plan(plan, self.scheduler)
+                if len(plan.input_ids) and self._unscheduled:
+                    self._stamp_new(plan, start)
+                if len(plan.input_ids) == 0:
+                    if self.tiers is not None:
+                        self.tiers.apply(plan)  # moves and fetches of a step with no forward
+                    self.scheduler.update(plan.step_id, np.zeros(0, np.int64))
+                    plan = None
+            mass = None if plan is None else self.h2o.mass_tensor(plan, self.runner.device)
+        if plan is None:  # nothing to run: wait (lock released) for a fetch to move
+            if self.tiers is not None and self.tiers.num_fetching:
+                self.tiers.wait_fetch()
+            return []
         try:
             # Outside the lock: other threads may add or abort requests during the forward
             # (no block is allocated before the next schedule(); aborted rows are skipped).
             logits = self.runner.execute(plan, plan.logits_indices, block_mass=mass)
             with self._lock:
                 outputs, num_rows = self._finish_step(plan, logits, mass)
+                self._replay, self._replay_failures = None, 0
         except BaseException as exc:
-            self._fail_step(plan, exc)
+            self._fail_step(plan, exc, owner_ids)
             raise
         self.stats.observe_step(
             time.perf_counter() - start, self.runner.forward_seconds - forward_before, num_rows
         )
         return outputs
+
+    def _close_replay(self) -> None:
+        plan, self._replay, self._replay_failures = self._replay, None, 0
+        if plan is not None and self.scheduler.outstanding_step == plan.step_id:
+            self.scheduler.update(plan.step_id, np.zeros(len(plan.sample_req_ids), np.int64))
 
     def _stamp_new(self, plan: Any, start: float) -> None:
         """Requests scheduled for the first time: queue time and prefix-cache hit length."""
@@ -365,13 +400,35 @@ class LLMEngine:
                     req.sink(outputs[-1])
         return outputs, len(rows)
 
-    def _fail_step(self, plan: Any, exc: BaseException) -> None:
-        """Abort the failed step's requests and close the step, so the engine keeps serving."""
-        reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else repr(exc)
+    def _fail_step(self, plan: Any, exc: BaseException, owner_ids: Any = None) -> None:
+        """Abort the failed step's requests (only the caller's when it named them, the others
+        then run again in the next step) and close the step, so the engine keeps serving."""
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        reason = "interrupted" if interrupted else repr(exc)
         message = f"step {plan.step_id} failed: {reason}"
         with self._lock:
             victims = [i for i in dict.fromkeys(plan.req_ids.tolist()) if i in self._requests]
-            if self.scheduler.outstanding_step == plan.step_id:
+            outstanding = self.scheduler.outstanding_step == plan.step_id
+            if outstanding and owner_ids is not None:
+                mine = [self._ids[r] for r in dict.fromkeys(owner_ids) if r in self._ids]
+                if mine:
+                    self._abort_locked(mine, message)
+                victims = [i for i in victims if i in self._requests]
+                self._replay_failures += 0 if interrupted else 1
+                if victims and self._replay_failures < 2:
+                    self._replay = plan
+                    log.warning(
+                        "kvcore: %s; the caller's %d request(s) were aborted, %d other(s) run "
+                        "again",
+                        message,
+                        len(mine),
+                        len(victims),
+                    )
+                    if not isinstance(exc, KvCoreError) and isinstance(exc, Exception):
+                        raise StepFailedError(message) from exc
+                    return
+            self._replay, self._replay_failures = None, 0
+            if outstanding:
                 self._abort_locked(victims, message)
                 self.scheduler.update(plan.step_id, np.zeros(len(plan.sample_req_ids), np.int64))
             else:  # it failed after update(): some victims may be finished in the scheduler
@@ -425,7 +482,7 @@ class LLMEngine:
                     finished = out.finished
                     yield out
                 elif rid in self._ids:
-                    self.step()
+                    self.step(owner_ids=[rid])
                 else:
                     return  # ended without a final output (cannot happen; never spin)
         finally:

@@ -89,14 +89,18 @@ def submit(
     )
 
 
-def salt_namespace(cache_salt: str | None) -> int:
-    """The prefix cache namespace of a ``cache_salt`` (0, the shared one, for None): a keyed
-    digest, so requests with different salts never share a prefix hit (vLLM's ``cache_salt``)."""
+def salt_namespace(cache_salt: str | None, key: bytes = b"") -> int:
+    """The prefix cache namespace of a ``cache_salt`` (0, the shared one, for None): a digest
+    keyed by the engine's salt key (``key``: from the tier secret, or random per engine without
+    shared tiers), so requests with different salts never share a prefix hit (vLLM's
+    ``cache_salt``) and no one without the key can compute the namespace of a salt."""
     if cache_salt is None:
         return 0
     if not isinstance(cache_salt, str) or not cache_salt:
         raise InvalidArgumentError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
-    digest = hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"kvcore-salt").digest()
+    digest = hashlib.blake2b(
+        cache_salt.encode(), digest_size=8, key=key, person=b"kvcore-salt"
+    ).digest()
     return (int.from_bytes(digest, "little") & ((1 << 63) - 1)) or 1  # non-zero, fits int64
 
 

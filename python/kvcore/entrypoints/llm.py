@@ -70,9 +70,12 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         retention: str | Sequence[str | None] | None = None,
+        cache_salt: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs in prompt order. ``retention``: one policy for all
         or one per prompt (None: the engine's ``retention``; see docs/retention.md).
+        ``cache_salt``: one for all or one per prompt (None: the shared namespace); prompts
+        with different salts never share a prefix-cache or tier hit (tenant isolation).
 
         Safe to call from several threads at once on one ``LLM``: their requests share the
         engine's steps and each call returns its own outputs. If the call is interrupted
@@ -90,7 +93,12 @@ class LLM:
                 arrivals.append(out)
 
         ids = self.engine.add_requests(
-            plist, sampling_params, priority=priority, retention=retention, _sink=sink
+            plist,
+            sampling_params,
+            priority=priority,
+            retention=retention,
+            cache_salt=cache_salt,
+            _sink=sink,
         )
         try:
             self._run(ids, arrivals, results, use_tqdm)
@@ -168,7 +176,7 @@ class LLM:
                     missing = [r for r in ids if r not in results]
                     raise InvariantError(f"requests left the engine without output: {missing}")
                 if not arrivals:
-                    engine.step()  # waits while another thread's step runs
+                    engine.step(owner_ids=ids)  # waits while another thread's step runs
                 new = 0
                 while arrivals:
                     out = arrivals.popleft()

@@ -74,6 +74,9 @@ def _windows(cfg: dict, num_layers: int) -> tuple[int | None, ...]:
         hf = AutoConfig.for_model(str(cfg.get("model_type")), **fields)
     except (ValueError, TypeError, KeyError):
         hf = None
+    except Exception as e:  # transformers' own checks (huggingface_hub strict dataclasses)
+        why = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise InvalidArgumentError(f"invalid model config: {why[-1] if why else e!r}") from None
     if hf is not None and getattr(hf, "num_hidden_layers", None) == num_layers:
         return layer_windows(hf)
     window = cfg.get("sliding_window")

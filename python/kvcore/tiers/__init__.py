@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
@@ -31,6 +32,7 @@ from kvcore_kernels.quant import QuantKVCache
 from kvcore._kvcore import copy_block_rows
 from kvcore.errors import InvalidArgumentError
 from kvcore.tiers.codec import BlockCodec
+from kvcore.tiers.io import IoPool
 from kvcore.tiers.stores import DiskStore, RedisStore
 
 __all__ = [
@@ -86,10 +88,17 @@ class FetchJob:
     submitted, started or last finished a sequence, so that a large batch that keeps moving is
     waited for and only one that stalls for ``fetch_timeout_s`` turns into misses."""
 
-    def __init__(self, now: float):
+    def __init__(self, now: float, wake: threading.Event | None = None):
         self.results: dict[int, list[tuple[bytes, int]]] = {}
         self.progress = now
         self.finished = False
+        self.wake = wake  # set on every sequence read and at the end (the engine waits on it)
+
+    def moved(self, finished: bool = False) -> None:
+        self.progress = time.perf_counter()
+        self.finished = self.finished or finished
+        if self.wake is not None:
+            self.wake.set()
 
 
 class TierManager:
@@ -130,7 +139,12 @@ class TierManager:
         self.copy_threads = 1
         self.codec, self.disk, self.remote = codec, disk, remote
         self.fetch_timeout_s = fetch_timeout_s
-        self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcore-tier")
+        # Daemon threads: a read that never returns (hung mount, stalled socket) cannot keep
+        # the process from exiting; close() waits for them only up to its deadline.
+        self.io = IoPool(io_threads, "kvcore-tier")
+        self._fetch_moved = threading.Event()  # a fetch job read a sequence or ended
+        self._applied: tuple[int, set[str]] = (-1, set())  # step id, its one-time parts done
+        self._closed = False
         self._fetches: dict[int, tuple[FetchJob, float]] = {}  # kv id -> (its step's job, start)
         self.fetch_reads = 0  # distinct keys read from L3/L4 (fetches share reads per step)
         self._publishing: list[Future] = []  # write-throughs not yet known to be done
@@ -153,8 +167,16 @@ class TierManager:
     def apply(self, plan: Any) -> None:
         """The plan's tier moves, in order: publish reads, offloads, loads; then its fetches."""
         io = plan.tier_io
-        self.tokens_computed += int(plan.num_tokens)
-        if len(io.publish):  # write-through of newly computed blocks to L3 and L4
+        # A step run again after a failed forward (LLMEngine) redoes its copies (idempotent)
+        # but not its write-throughs, fetches and counts.
+        if self._applied[0] != plan.step_id:
+            self._applied = (plan.step_id, set())
+        done = self._applied[1]
+        if "count" not in done:
+            self.tokens_computed += int(plan.num_tokens)
+            done.add("count")
+        if len(io.publish) and "publish" not in done:
+            done.add("publish")  # write-through of newly computed blocks to L3 and L4
             data = self.gather(io.publish).numpy()
             self.bytes_published += data.nbytes
             keys, toks = io.publish_keys.copy(), io.publish_tokens.copy()
@@ -172,7 +194,8 @@ class TierManager:
             self.load_seconds += dt
             self.load_latency_s.append(dt)
             self.bytes_loaded += len(load) * self.block_bytes
-        if len(io.fetch_seqs):  # one background job for the step's fetches (deduplicated)
+        if len(io.fetch_seqs) and "fetch" not in done:  # one job for the step's fetches
+            done.add("fetch")
             offsets = io.fetch_offsets
             wants = [
                 (
@@ -182,8 +205,9 @@ class TierManager:
                 )
                 for i, kv_id in enumerate(io.fetch_seqs.tolist())
             ]
-            job = FetchJob(time.perf_counter())
-            self.io.submit(self._run_fetch, job, wants)
+            job = FetchJob(time.perf_counter(), self._fetch_moved)
+            if self.io.submit(self._run_fetch, job, wants).cancelled():
+                job.moved(finished=True)  # closed: every fetch is a miss
             for kv_id, _, _ in wants:
                 self._fetches[kv_id] = (job, job.progress)
 
@@ -226,7 +250,7 @@ class TierManager:
         except Exception as e:  # a failed fetch is a miss (the stores count their own errors)
             log.debug("kvcore: tier fetch failed: %r", e)
         finally:
-            job.finished = True
+            job.moved(finished=True)
 
     def _fetch_batch(
         self, wants: list[tuple[int, np.ndarray, np.ndarray]], job: FetchJob | None = None
@@ -269,7 +293,7 @@ class TierManager:
                     got.append((remote[names[i]], 4))
             out[kv_id] = got  # whole: the scheduler never sees a sequence half read
             if job is not None:
-                job.progress = time.perf_counter()
+                job.moved()
         return out
 
     # ---- between steps ----------------------------------------------------------------
@@ -290,6 +314,7 @@ class TierManager:
     def before_schedule(self, scheduler: Any, forward_seconds: float) -> None:
         """Hands finished (or timed-out: a miss) fetches to the scheduler and fills their L2
         slots; refreshes the swap cost model."""
+        self._fetch_moved.clear()  # what moves after this look wakes wait_fetch()
         now = time.perf_counter()
         done: list[tuple[int, list[tuple[bytes, int]]]] = []
         for kv_id, (job, start) in list(self._fetches.items()):
@@ -319,6 +344,20 @@ class TierManager:
                 self.bytes_loaded / self.load_seconds, forward_seconds / self.tokens_computed
             )
 
+    def wake(self) -> None:
+        """Ends a ``wait_fetch`` now (a new request arrived)."""
+        self._fetch_moved.set()
+
+    def wait_fetch(self, max_wait_s: float = 0.1) -> None:
+        """Sleeps until a fetch job moves (reads a sequence, ends), ``wake()``, the earliest
+        fetch's stall deadline, or ``max_wait_s``: an engine with nothing to run but fetches
+        waits here instead of spinning empty steps."""
+        if not self._fetches:
+            return
+        now = time.perf_counter()
+        due = min(job.progress for job, _ in self._fetches.values()) + self.fetch_timeout_s
+        self._fetch_moved.wait(min(max_wait_s, max(0.0, due - now) + 1e-3))
+
     def wait_published(self, timeout: float | None = None) -> bool:
         """Waits for the write-throughs submitted so far (any thread); True if all finished."""
         _, pending = wait_futures(list(self._publishing), timeout=timeout)
@@ -345,8 +384,21 @@ class TierManager:
             "tier_host_evictions": st["host_evictions"],
             "tier_disk_failures": self.disk.failures if self.disk else 0,
             "tier_remote_failures": self.remote.failures if self.remote else 0,
+            "tier_auth_failures": self.codec.auth_failures,
         }
 
-    def close(self) -> None:
-        """Waits for background writes and stops the I/O threads."""
-        self.io.shutdown(wait=True, cancel_futures=False)
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Waits up to ``timeout_s`` for background writes, then stops the I/O threads; True
+        if all finished. A tier that never answers (hung mount, stalled Redis) leaves its
+        daemon threads behind, logged once, and never holds the process."""
+        if self._closed:
+            return True
+        self._closed = True
+        ok = self.io.shutdown(timeout_s)
+        if not ok:
+            log.warning(
+                "kvcore: tier I/O still blocked after %.1f s at close; abandoned (a hung disk "
+                "or store: its writes are lost, nothing else is)",
+                timeout_s,
+            )
+        return ok

@@ -8,11 +8,16 @@ format or geometry; the namespace (``cache_salt``) is inside every key of the ch
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 from typing import Any
 
 from kvcore.config import CacheConfig, SchedulerConfig
 from kvcore.errors import InvalidArgumentError
 from kvcore.tiers import BlockCodec, DiskStore, RedisStore, TierManager, model_fingerprint
+from kvcore.tiers.secret import ENV, derive, load_secret
+
+log = logging.getLogger("kvcore")
 
 
 def tier_scheduler_args(
@@ -21,9 +26,12 @@ def tier_scheduler_args(
     model: Any,
     bytes_per_block: int,
     formats: list[str],
+    *,
+    secret_file: str | None = None,
 ) -> tuple[dict[str, Any], BlockCodec | None]:
     """Keyword arguments of ``_kvcore.Scheduler`` for the tiers, and the value codec (None and
-    ``{}`` when tiers are off)."""
+    ``{}`` when tiers are off). The codec's MAC key and ``salt_key`` come from the tier secret
+    (``kvcore.tiers.secret``; ``secret_file`` first)."""
     host_blocks = cc.host_kv_bytes // bytes_per_block if cc.host_kv_bytes else 0
     if cc.host_kv_bytes and host_blocks < 1:
         raise InvalidArgumentError(
@@ -37,9 +45,25 @@ def tier_scheduler_args(
         raise InvalidArgumentError("KV tiers do not support KIVI formats (residual pools)")
     kv_format = ",".join(formats) if isinstance(cc.kv_format, list) else str(cc.kv_format)
     kv_format = f"{kv_format}/{cc.kv_dtype(model.dtype)}"
+    shared = bool(cc.disk_path or cc.remote_url)
+    if shared:
+        if cc.remote_url and secret_file is None and not os.environ.get(ENV):
+            log.warning(
+                "kvcore: the shared KV store is authenticated with this host's local secret; "
+                "replicas on other hosts need the same --tier-secret-file (or %s)",
+                ENV,
+            )
+        secret = load_secret(secret_file, cc.disk_path)
+    else:  # L2 only: nothing leaves the process
+        secret = os.urandom(32)
     codec = BlockCodec(
-        model_fingerprint(model), int(model.config.num_hidden_layers), kv_format, cc.block_size
+        model_fingerprint(model),
+        int(model.config.num_hidden_layers),
+        kv_format,
+        cc.block_size,
+        mac_key=derive(secret, "mac"),
     )
+    codec.salt_key = derive(secret, "salt")  # type: ignore[attr-defined]
     root = hashlib.sha256(
         f"{codec.fingerprint}|{kv_format}|{cc.block_size}|{codec.num_layers}".encode()
     ).digest()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -46,11 +47,23 @@ class DiskStore:
         return self.root / hexkey[:2] / f"{hexkey}.kvt"
 
     def get(self, hexkey: str) -> bytes | None:
-        """The value stored under ``hexkey`` (None: absent or unreadable)."""
+        """The value stored under ``hexkey`` (None: absent, unreadable or not a regular file:
+        opened non-blocking, so a named pipe or device in its place is a miss, not a hang)."""
         try:
-            data = self._path(hexkey).read_bytes()
+            fd = os.open(self._path(hexkey), os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
             return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                with self._lock:
+                    self.failures += 1
+                return None
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read()
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
         with self._lock:
             if hexkey in self._files:
                 self._files.move_to_end(hexkey)

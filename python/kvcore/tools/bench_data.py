@@ -162,6 +162,12 @@ def load_runs(paths: list[str]) -> dict[str, list[dict[str, Any]]]:
     for p in paths:
         with open(p) as f:
             data = json.load(f)
+        ok = isinstance(data, dict) and isinstance(data.get("label"), str)
+        if not (ok and isinstance(data.get("results"), list)):
+            raise ValueError(f"{p} is not a file of kvcore bench serve --save-json")
+        for r in data["results"]:
+            if not (isinstance(r, dict) and isinstance(r.get("records"), list)):
+                raise ValueError(f"{p} is not a file of kvcore bench serve --save-json")
         runs.setdefault(data["label"], []).extend(data["results"])
     return runs
 

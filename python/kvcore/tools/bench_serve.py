@@ -23,10 +23,11 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
+from kvcore import argtypes as at
 from kvcore.tools.bench_data import (
     DATASETS,
     BenchRequest,
@@ -208,25 +209,53 @@ def summarize(
     return fig
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2 (as kvcore's other commands)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _rate(text: str) -> float:
+    """A request rate: a number > 0, or inf (all at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or inf, got {text!r}") from None
+    if math.isnan(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
-    """Flags of ``kvcore bench serve``."""
-    p = argparse.ArgumentParser(prog="kvcore bench serve", description=__doc__.split("\n\n")[0])
+    """Flags of ``kvcore bench serve`` (checked while parsing: one line, exit 2)."""
+    p = _Parser(prog="kvcore bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--dataset", default="random", choices=DATASETS)
-    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")])
-    p.add_argument("--num-prompts", type=int, default=50)
-    p.add_argument("--max-tokens", type=int, default=None, help="output cap (random: exact)")
-    p.add_argument("--input-len", type=int, default=128, help="random prompt length (±50 %%)")
-    p.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: shared tokens")
-    p.add_argument("--vocab-size", type=int, default=32000, help="random token ids below this")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    p.add_argument("--slo-itl-ms", type=float, default=200.0)
-    p.add_argument("--cost-per-hour", type=float, default=None, help="USD per hour of the server")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests sent first")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--request-rate", type=_rate, nargs="+", default=[float("inf")])
+    p.add_argument("--num-prompts", type=at.positive_int, default=50)
+    p.add_argument(
+        "--max-tokens", type=at.positive_int, default=None, help="output cap (random: exact)"
+    )
+    p.add_argument(
+        "--input-len", type=at.positive_int, default=128, help="random prompt length (±50 %%)"
+    )
+    p.add_argument(
+        "--prefix-len", type=at.non_negative_int, default=256, help="shared-prefix: shared tokens"
+    )
+    p.add_argument(
+        "--vocab-size", type=at.int_at_least(2), default=32000, help="random token ids below this"
+    )
+    p.add_argument("--seed", type=at.non_negative_int, default=0)
+    p.add_argument("--slo-ttft-ms", type=at.float_in(0, low_open=True), default=1000.0)
+    p.add_argument("--slo-itl-ms", type=at.float_in(0, low_open=True), default=200.0)
+    p.add_argument(
+        "--cost-per-hour", type=at.float_in(0), default=None, help="USD per hour of the server"
+    )
+    p.add_argument("--max-concurrency", type=at.positive_int, default=None)
+    p.add_argument(
+        "--warmup", type=at.non_negative_int, default=2, help="unmeasured requests sent first"
+    )
+    p.add_argument("--timeout", type=at.float_in(0, low_open=True), default=600.0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--label", default=None, help="name of this server in plots (default: model)")
     p.add_argument("--save-json", default=None, help="write the figures to this file")

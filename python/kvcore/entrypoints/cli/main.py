@@ -263,6 +263,8 @@ def _main(argv: list[str]) -> int:
                 status[0] = int(entry_cli.bench_main(argv[2:]))
         return status[0]
     args = build_parser().parse_args(argv)
+    if getattr(args, "func", None) is None:  # kvcore bench: its one benchmark is named
+        ca.fail(f"kvcore {args.command}", "give a benchmark: kvcore bench serve --base-url URL")
     with ca.report_errors(f"kvcore {args.command}") as status:
         status[0] = int(args.func(args))
     return status[0]

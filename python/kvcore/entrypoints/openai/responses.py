@@ -11,6 +11,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvcore.entrypoints.openai.protocol import ApiError
 from kvcore.entrypoints.openai.serving import Job, ServerState, observe_overhead
 from kvcore.outputs import CompletionOutput, RequestOutput
 
@@ -124,6 +125,14 @@ async def sse(state: ServerState, job: Job, outputs: AsyncIterator[tuple[int, An
                 chunk = dict(head, choices=[_choice(k, delta, None, None, chat)])
                 yield _event(_with_usage(chunk, include_usage))
         async for i, out in outputs:
+            if (
+                state.shutdown_cut
+                and out.finished
+                and any(c.finish_reason == "abort" for c in out.outputs)
+            ):
+                raise ApiError(
+                    503, "The server shut down before this stream finished.", type="server_error"
+                )
             hold = _hold_back(job, i)
             for c in out.outputs:
                 k = i * n + c.index
@@ -150,8 +159,6 @@ async def sse(state: ServerState, job: Job, outputs: AsyncIterator[tuple[int, An
         yield _DONE
         observe_overhead(state, job)
     except Exception as e:  # noqa: BLE001 - the status is already sent: report in-band
-        from kvcore.entrypoints.openai.protocol import ApiError
-
         err = e if isinstance(e, ApiError) else ApiError(500, str(e), type="server_error")
         yield _event(err.body())
         yield _DONE

@@ -15,12 +15,14 @@ import copy
 import hmac
 import logging
 import signal
+import threading
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from kvcore.engine.async_engine import AsyncEngine
 from kvcore.entrypoints.openai import responses, serving
@@ -34,6 +36,7 @@ from kvcore.entrypoints.openai.protocol import (
 from kvcore.entrypoints.openai.serving import ServerState
 
 log = logging.getLogger("kvcore.scaleout")
+http_log = logging.getLogger("kvcore.http")
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -60,11 +63,14 @@ async def read_body(state: ServerState, request: Request) -> bytes:
     if length is not None and length.isdigit() and int(length) > cap:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left mid-body: one line, no traceback
+        raise ApiError(400, "The client disconnected before sending the whole body.") from None
     return b"".join(chunks)
 
 
@@ -74,16 +80,38 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def _complete(state: ServerState, request: Request, job: serving.Job) -> Response:
-    outputs = await serving.run(state, job)
+    # Watch for the client leaving from the start: a body of many prompts is dropped as a
+    # whole (every prompt aborted) even while its prompts are being submitted.
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    submit = asyncio.ensure_future(serving.run(state, job))
+    try:
+        await asyncio.wait({submit, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        gone.cancel()
+        submit.cancel()
+        job.close()
+        raise
+    if not submit.done():  # the client left while its prompts were being submitted
+        submit.cancel()
+        with contextlib.suppress(BaseException):
+            await submit
+        job.close()
+        return Response(status_code=499)
     if job.req.stream:
+        gone.cancel()  # the streaming response watches for disconnects itself
+        outputs = submit.result()
         return StreamingResponse(
             responses.sse(state, job, outputs),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             background=BackgroundTask(job.close),  # runs even if the client left early
         )
+    try:
+        outputs = submit.result()
+    except BaseException:
+        gone.cancel()
+        raise
     work = asyncio.ensure_future(responses.collect(state, job, outputs))
-    gone = asyncio.ensure_future(_until_disconnect(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -105,6 +133,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        # One line per client error, never a traceback.
+        level = logging.WARNING if e.status >= 500 or "disconnected" in e.message else logging.INFO
+        http_log.log(
+            level, "%s %s -> %d: %s", request.method, request.url.path, e.status, e.message
+        )
         return _error(e)
 
     @app.exception_handler(HTTPException)
@@ -192,10 +225,23 @@ def run_server(state: ServerState, host: str, port: int, grace_s: float, log_lev
     """Serve until SIGINT/SIGTERM; returns 0 after a graceful shutdown."""
     import uvicorn
 
+    cut_after = max(0.0, grace_s - min(1.0, grace_s / 2))
+
+    def cut() -> None:
+        # Before uvicorn cancels the handlers at the end of the grace period: abort what still
+        # runs, so each open stream ends with an error event and [DONE] (responses.sse), not
+        # with a cancelled task.
+        state.shutdown_cut = True
+        state.engine.stop(timeout=0)
+
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             # Stop admitting at once; uvicorn then waits up to grace_s for in-flight requests.
             # Unlike uvicorn's own handler, the signal is not re-raised afterwards: exit 0.
+            if not state.draining:
+                timer = threading.Timer(cut_after, cut)
+                timer.daemon = True
+                timer.start()
             state.draining = True
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
@@ -214,5 +260,9 @@ def run_server(state: ServerState, host: str, port: int, grace_s: float, log_lev
     try:
         server.run()
     finally:
-        state.engine.stop()
+        state.engine.stop(timeout=5.0)
+        # The tiers' writes get a short deadline: a hung disk or store never holds the exit
+        # (their threads are daemons).
+        with contextlib.suppress(Exception):
+            state.engine.engine.close(timeout_s=2.0)
     return 0 if server.started else 1

@@ -42,6 +42,7 @@ class ServerState:
     max_body_bytes: int = 1 << 20
     metrics: Any = None
     draining: bool = False
+    shutdown_cut: bool = False  # the grace period ended: what still runs was aborted
 
 
 @dataclass
@@ -176,12 +177,22 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
     return Job(f"chatcmpl-{uuid.uuid4().hex}", "chat", int(time.time()), [prompt], params, req)
 
 
-def _admit(state: ServerState) -> None:
+def _admit(state: ServerState, num_prompts: int = 1) -> None:
+    """Refuse a body while draining, or when its prompts (each counts) would take the waiting
+    requests past ``--max-waiting`` (503; 400 when the body alone has more prompts)."""
     if state.draining:
         raise ApiError(
             503, "The server is shutting down.", type="server_error", headers={"Retry-After": "5"}
         )
-    if state.max_waiting is not None and state.engine.num_waiting >= state.max_waiting:
+    cap = state.max_waiting
+    if cap is not None and num_prompts > cap:
+        raise ApiError(
+            400,
+            f"The request has {num_prompts} prompts; this server queues at most {cap} "
+            "(--max-waiting): split it.",
+            param="prompt",
+        )
+    if cap is not None and state.engine.num_waiting + num_prompts > cap:
         raise ApiError(
             503,
             f"The server is overloaded ({state.engine.num_waiting} requests waiting): retry later.",
@@ -192,29 +203,43 @@ def _admit(state: ServerState) -> None:
 
 
 async def run(state: ServerState, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Submit the job's prompts; returns an iterator of (prompt index, output) once all are
-    accepted (so engine-side rejections still become an HTTP error before any byte is sent)."""
-    _admit(state)
+    """Submit the job's prompts, all at once (they enter the engine in the same step); returns
+    an iterator of (prompt index, output) once all are accepted (so engine-side rejections
+    still become an HTTP error before any byte is sent). If one is refused or the caller is
+    cancelled (the client left), every prompt of the job is aborted."""
+    _admit(state, len(job.prompts))
+    single = len(job.prompts) == 1
+    submits = [
+        state.engine.submit(
+            job.id if single else f"{job.id}-{i}",
+            prompt,
+            params,
+            priority=job.req.priority,
+            cache_salt=job.req.cache_salt,
+            stream=job.req.stream,
+        )
+        for i, (prompt, params) in enumerate(zip(job.prompts, job.params, strict=True))
+    ]
+    tasks = [asyncio.ensure_future(s) for s in submits]
     try:
-        for i, (prompt, params) in enumerate(zip(job.prompts, job.params, strict=True)):
-            rid = job.id if len(job.prompts) == 1 else f"{job.id}-{i}"
-            job.streams.append(
-                await state.engine.submit(
-                    rid,
-                    prompt,
-                    params,
-                    priority=job.req.priority,
-                    cache_salt=job.req.cache_salt,
-                    stream=job.req.stream,
-                )
-            )
-    except BaseException as e:
+        await asyncio.wait(tasks)
+    except BaseException:  # cancelled: each pending submit aborts its own request
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is None:
+                t.result().close()
+        raise
+    errors = [t.exception() for t in tasks if t.exception() is not None]
+    job.streams.extend(t.result() for t in tasks if t.exception() is None)
+    if errors:
         job.close()  # release the prompts already queued
+        e = errors[0]
         if isinstance(e, KvCoreError):
             raise ApiError(400, str(e)) from None
         if isinstance(e, EngineError):
             raise ApiError(500, str(e), type="server_error") from None
-        raise
+        raise e
     return _merge(job, job.streams)
 
 
