@@ -24,7 +24,8 @@ def paged_attention_quant(
 ) -> torch.Tensor:
     """``paged_attention``'s contract over a ``QuantKVCache``: K/V are decoded as they are
     loaded, per tile (Triton) or per gathered chunk (torch twin), never for the whole cache.
-    ``backend``: "auto" (Triton on CUDA, the torch twin otherwise), "triton" or "torch".
+    ``backend``: "auto" (Triton on CUDA; on the CPU the native kernel for int8 / fp8, the
+    torch twin otherwise), "triton", "torch" or "cpu" (native where it serves, else the twin).
     Rotated caches get ``query @ R`` (scores unchanged) and, for rotated values, the output
     rotated back; the backends themselves work in the stored basis."""
     if not isinstance(cache, QuantKVCache):
@@ -34,10 +35,16 @@ def paged_attention_quant(
             "released blocks (null block-table entries) are supported on plain caches only, "
             "not on quantized ones"
         )
-    if check_backend(backend, cache.device) == "triton":
+    resolved = check_backend(backend, cache.device)
+    if resolved == "triton":
         from kvcore_kernels.quant.attention_triton import paged_attention_quant_triton as run
     else:
+        from kvcore_kernels.quant import attention_cpu
         from kvcore_kernels.quant.attention_torch import paged_attention_quant_torch as run
+
+        native = resolved == "cpu" or (backend == "auto" and cache.device.type == "cpu")
+        if native and attention_cpu.supports(cache):
+            run = attention_cpu.paged_attention_quant_cpu
     rotated_v = "v" in cache.rotate
     result = run(
         cache.rotate_in(query, "k") if isinstance(query, torch.Tensor) else query,

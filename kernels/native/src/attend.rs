@@ -1,0 +1,392 @@
+//! Paged attention of one work item: one request, one KV head, a run of query tokens, a key range.
+//!
+//! K and V are read in place through the block table, sixteen keys at a time (a *tile*; keys of a
+//! tile may sit in different blocks: each key's row address is computed from its block-table
+//! entry). All query heads of the KV head (the GQA group) and all the item's query tokens are the
+//! rows of one online softmax in fp32, so each K and V row is read once per item::
+//!
+//!   rows r = i * G + g      (query token i of the item, query head h * G + g)
+//!   tile     keys k0 .. k0+15 of [key_lo, key_hi)
+//!   K tile   decoded to fp32 and transposed: kt[d][j]        (16 x 16 register transposes)
+//!   scores   s[r][j] = sum_d q[r][d] * kt[d][j]               (q pre-scaled; no horizontal sums)
+//!   P.V      acc[r][:] += p[r][j] * v[j][:]                   (v decoded once per tile)
+//!
+//! A key is visible to a row if it lies in [qpos - window + 1, qpos] and its block is not
+//! released (block-table entry 0 inside the sequence, when the call says blocks were released):
+//! a bit mask per row and tile. Masked or missing keys point at a zero row, so the null block is
+//! never read and no NaN beyond a sequence's end reaches the accumulator.
+//!
+//! Items whose key range is a split of a longer one write (acc, m, l) to a partial buffer that
+//! `merge` combines (flash-decoding's split-KV). Scratch is per thread, grown, never freed.
+
+use crate::simd::{self, Simd, W};
+
+/// How K and V elements are stored.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Fmt {
+    F32,
+    Bf16,
+    F16,
+    /// int8 codes with a float16 scale per token (per head, per K/V).
+    I8,
+    E4m3,
+    E5m2,
+}
+
+/// Element type of the query and the output.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Dt {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Dt {
+    pub fn size(self) -> usize {
+        if self == Dt::F32 {
+            4
+        } else {
+            2
+        }
+    }
+    #[inline(always)]
+    unsafe fn read(self, p: *const u8, i: usize) -> f32 {
+        match self {
+            Dt::F32 => (p as *const f32).add(i).read_unaligned(),
+            Dt::Bf16 => simd::bf16_to_f32((p as *const u16).add(i).read_unaligned()),
+            Dt::F16 => simd::f16_to_f32((p as *const u16).add(i).read_unaligned()),
+        }
+    }
+    #[inline(always)]
+    unsafe fn write(self, p: *mut u8, i: usize, x: f32) {
+        match self {
+            Dt::F32 => (p as *mut f32).add(i).write_unaligned(x),
+            Dt::Bf16 => (p as *mut u16).add(i).write_unaligned(simd::f32_to_bf16(x)),
+            Dt::F16 => (p as *mut u16).add(i).write_unaligned(simd::f32_to_f16(x)),
+        }
+    }
+}
+
+/// One call: pointers, strides (bytes for the cache, elements for q / out) and options.
+pub struct Call {
+    pub q: *const u8,
+    pub q_stride_tok: usize,
+    pub q_stride_head: usize,
+    pub out: *mut u8,
+    pub out_stride_tok: usize,
+    pub out_stride_head: usize,
+    pub dt: Dt,
+    pub kv: *const u8,
+    pub fmt: Fmt,
+    pub stride_block: usize,
+    pub stride_tok: usize,
+    pub stride_head: usize,
+    /// bytes from a K row to the V row of the same slot
+    pub v_offset: usize,
+    /// int8: bytes from a head segment's start to its K scales (V scales follow after bs)
+    pub scale_offset: usize,
+    pub num_q_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub qsl: *const i64,
+    pub seq_lens: *const i64,
+    pub table: *const i64,
+    pub table_stride: usize,
+    pub scale: f32,
+    pub window: i64,
+    pub soft_cap: f32,
+    pub alibi: *const f32,
+    /// fp8: float32 [2, num_kv_heads] (K then V) per-head scales, or null
+    pub fp8_scale: *const f32,
+    pub released: bool,
+    /// work items, 6 int64 each: req, tok0, ntok, key_lo, key_hi, partial offset (-1: none)
+    pub work: *const i64,
+    /// merge groups, 4 int64 each: tok0, ntok, num_splits, partial offset of the first split
+    pub merges: *const i64,
+    pub partial: *mut f32,
+}
+
+unsafe impl Sync for Call {}
+unsafe impl Send for Call {}
+
+/// Floats of scratch one thread needs for items of up to `rows` rows.
+pub fn scratch_len(rows: usize, d: usize) -> usize {
+    2 * rows * d + 2 * rows + 2 * W * d + rows * W + 2 * W + d
+}
+
+#[inline(always)]
+unsafe fn load_row<S: Simd, const F: u8>(p: *const u8, c: usize) -> S {
+    match F {
+        0 => S::load((p as *const f32).add(c)),
+        1 => S::load_bf16((p as *const u16).add(c)),
+        2 => S::load_f16((p as *const u16).add(c)),
+        3 => S::load_i8((p as *const i8).add(c)),
+        4 => S::load_e4m3(p.add(c)),
+        _ => S::load_e5m2(p.add(c)),
+    }
+}
+
+/// Format as the const generic `run_item` is instantiated with.
+pub fn fmt_code(f: Fmt) -> u8 {
+    match f {
+        Fmt::F32 => 0,
+        Fmt::Bf16 => 1,
+        Fmt::F16 => 2,
+        Fmt::I8 => 3,
+        Fmt::E4m3 => 4,
+        Fmt::E5m2 => 5,
+    }
+}
+
+/// Attention of work item `item` for KV head `h`; `scratch` holds `scratch_len` floats.
+#[inline(always)]
+pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, h: usize, scratch: &mut [f32]) {
+    let w = std::slice::from_raw_parts(c.work.add(6 * item), 6);
+    let (req, tok0, ntok) = (w[0] as usize, w[1] as usize, w[2] as usize);
+    let (key_lo, key_hi, part) = (w[3], w[4], w[5]);
+    let d = c.head_dim;
+    let g = c.num_q_heads / c.num_kv_heads;
+    let rows = ntok * g;
+    let nc = d / W;
+    let (q, rest) = scratch.split_at_mut(rows * d);
+    let (acc, rest) = rest.split_at_mut(rows * d);
+    let (m, rest) = rest.split_at_mut(rows);
+    let (l, rest) = rest.split_at_mut(rows);
+    let (kt, rest) = rest.split_at_mut(W * d);
+    let (vt, rest) = rest.split_at_mut(W * d);
+    let (p, rest) = rest.split_at_mut(rows * W);
+    let (kscale, rest) = rest.split_at_mut(W);
+    let (vscale, rest) = rest.split_at_mut(W);
+    let zero = &mut rest[..d];
+    zero.fill(0.0);
+    let zero_row = zero.as_ptr() as *const u8; // zero in every format
+
+    let seq_len = *c.seq_lens.add(req);
+    let q_len = *c.qsl.add(req + 1) - *c.qsl.add(req);
+    let first_pos = seq_len - q_len + (tok0 as i64 - *c.qsl.add(req));
+    let mut qscale = c.scale;
+    let mut vs = 1.0f32;
+    if !c.fp8_scale.is_null() {
+        qscale *= *c.fp8_scale.add(h);
+        vs = *c.fp8_scale.add(c.num_kv_heads + h);
+    }
+    for i in 0..ntok {
+        let src = c.q.add(((tok0 + i) * c.q_stride_tok) * c.dt.size());
+        for gg in 0..g {
+            let row = src.add((h * g + gg) * c.q_stride_head * c.dt.size());
+            let dst = &mut q[(i * g + gg) * d..][..d];
+            for (e, x) in dst.iter_mut().enumerate() {
+                *x = c.dt.read(row, e) * qscale;
+            }
+        }
+    }
+    acc.fill(0.0);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    let table = c.table.add(req * c.table_stride);
+    let head_base = c.kv.add(h * c.stride_head);
+    let bs = c.block_size as i64;
+    let int8 = F == 3;
+    let mut kptr = [zero_row; W];
+    let mut vptr = [zero_row; W];
+    let mut k0 = key_lo;
+    while k0 < key_hi {
+        let n = (key_hi - k0).min(W as i64) as usize;
+        let mut tile_mask: u16 = 0;
+        for j in 0..W {
+            kptr[j] = zero_row;
+            vptr[j] = zero_row;
+            kscale[j] = 0.0;
+            vscale[j] = 0.0;
+            if j >= n {
+                continue;
+            }
+            let key = k0 + j as i64;
+            let blk = *table.add((key / bs) as usize);
+            if blk == 0 && c.released {
+                continue;
+            }
+            let seg = head_base.add(blk as usize * c.stride_block);
+            let t = (key % bs) as usize;
+            kptr[j] = seg.add(t * c.stride_tok);
+            vptr[j] = kptr[j].add(c.v_offset);
+            if int8 {
+                let s = seg.add(c.scale_offset) as *const u16;
+                kscale[j] = simd::f16_to_f32(s.add(t).read_unaligned());
+                vscale[j] = simd::f16_to_f32(s.add(c.block_size + t).read_unaligned());
+            }
+            tile_mask |= 1 << j;
+        }
+        // Rows that see some key of the tile: qpos >= k0 and qpos - window < k0 + n - 1.
+        let mut r_lo = rows;
+        let mut r_hi = 0;
+        let mut masks = [0u16; 256];
+        for i in 0..ntok {
+            let qpos = first_pos + i as i64;
+            let hi = (qpos - k0 + 1).clamp(0, W as i64) as u32; // lanes < hi: key <= qpos
+            let lo = if c.window > 0 { (qpos - c.window + 1 - k0).clamp(0, W as i64) as u32 } else { 0 };
+            let range = if hi > lo { (((1u32 << hi) - 1) & !((1u32 << lo) - 1)) as u16 } else { 0 };
+            let mk = range & tile_mask;
+            masks[i] = mk;
+            if mk != 0 {
+                r_lo = r_lo.min(i * g);
+                r_hi = r_hi.max((i + 1) * g);
+            }
+        }
+        if r_lo >= r_hi {
+            k0 += W as i64;
+            continue;
+        }
+        // K tile, transposed: kt[dd * W + j] = K[j][dd]
+        for cc in 0..nc {
+            let mut tile: [S; W] = std::array::from_fn(|j| load_row::<S, F>(kptr[j], cc * W));
+            S::transpose(&mut tile);
+            for (i, v) in tile.iter().enumerate() {
+                v.store(kt.as_mut_ptr().add((cc * W + i) * W));
+            }
+        }
+        // Scores of the visible rows, four at a time.
+        let mut r = r_lo;
+        while r < r_hi {
+            let nr = (r_hi - r).min(4);
+            let mut s = [S::splat(0.0); 4];
+            for dd in 0..d {
+                let k = S::load(kt.as_ptr().add(dd * W));
+                for (x, sx) in s.iter_mut().enumerate().take(nr) {
+                    *sx = S::splat(*q.get_unchecked((r + x) * d + dd)).fma(k, *sx);
+                }
+            }
+            for (x, sx) in s.iter().enumerate().take(nr) {
+                sx.store(p.as_mut_ptr().add((r + x) * W));
+            }
+            r += nr;
+        }
+        let ks = S::load(kscale.as_ptr());
+        let vsc = S::load(vscale.as_ptr());
+        let keys = {
+            let mut a = [0f32; W];
+            for (j, x) in a.iter_mut().enumerate() {
+                *x = (k0 + j as i64) as f32;
+            }
+            S::load(a.as_ptr())
+        };
+        for r in r_lo..r_hi {
+            let mk = masks[r / g];
+            let pr = p.as_mut_ptr().add(r * W);
+            if mk == 0 {
+                S::splat(0.0).store(pr);
+                continue;
+            }
+            let mut s = S::load(pr);
+            if int8 {
+                s = s.mul(ks);
+            }
+            if c.soft_cap > 0.0 {
+                s = simd::tanh(s.mul(S::splat(1.0 / c.soft_cap))).mul(S::splat(c.soft_cap));
+            }
+            if !c.alibi.is_null() {
+                let slope = *c.alibi.add(h * g + r % g);
+                let qpos = (first_pos + (r / g) as i64) as f32;
+                s = keys.add(S::splat(-qpos)).fma(S::splat(slope), s);
+            }
+            s = s.select(mk, S::splat(f32::NEG_INFINITY));
+            let m_new = m[r].max(s.hmax());
+            let alpha = if m[r] == f32::NEG_INFINITY { 0.0 } else { (m[r] - m_new).exp() };
+            let e = s.add(S::splat(-m_new)).exp().select(mk, S::splat(0.0));
+            l[r] = l[r] * alpha + e.hsum();
+            m[r] = m_new;
+            if alpha != 1.0 {
+                let a = S::splat(alpha);
+                for cc in 0..nc {
+                    let pa = acc.as_mut_ptr().add(r * d + cc * W);
+                    S::load(pa).mul(a).store(pa);
+                }
+            }
+            (if int8 { e.mul(vsc) } else { e }).store(pr);
+        }
+        // V tile, then P.V for the visible rows: four rows x one 16-wide column chunk at a time.
+        let nk = W - tile_mask.leading_zeros() as usize; // last real key + 1
+        for j in 0..nk {
+            for cc in 0..nc {
+                load_row::<S, F>(vptr[j], cc * W).store(vt.as_mut_ptr().add(j * d + cc * W));
+            }
+        }
+        let mut r = r_lo;
+        while r < r_hi {
+            let nr = (r_hi - r).min(4);
+            for cc in 0..nc {
+                let mut a = [S::splat(0.0); 4];
+                for (x, ax) in a.iter_mut().enumerate().take(nr) {
+                    *ax = S::load(acc.as_ptr().add((r + x) * d + cc * W));
+                }
+                for j in 0..nk {
+                    let v = S::load(vt.as_ptr().add(j * d + cc * W));
+                    for (x, ax) in a.iter_mut().enumerate().take(nr) {
+                        *ax = S::splat(*p.get_unchecked((r + x) * W + j)).fma(v, *ax);
+                    }
+                }
+                for (x, ax) in a.iter().enumerate().take(nr) {
+                    ax.store(acc.as_mut_ptr().add((r + x) * d + cc * W));
+                }
+            }
+            r += nr;
+        }
+        k0 += W as i64;
+    }
+    if part >= 0 {
+        let base = c.partial.add(part as usize + h * rows * (d + 2));
+        for r in 0..rows {
+            let dst = base.add(r * (d + 2));
+            std::ptr::copy_nonoverlapping(acc.as_ptr().add(r * d), dst, d);
+            *dst.add(d) = m[r];
+            *dst.add(d + 1) = l[r];
+        }
+        return;
+    }
+    for i in 0..ntok {
+        for gg in 0..g {
+            let r = i * g + gg;
+            let inv = if l[r] > 0.0 { vs / l[r] } else { 0.0 };
+            let dst = c.out.add(((tok0 + i) * c.out_stride_tok + (h * g + gg) * c.out_stride_head) * c.dt.size());
+            for e in 0..d {
+                c.dt.write(dst, e, acc[r * d + e] * inv);
+            }
+        }
+    }
+}
+
+/// Combine the splits of merge group `grp` for KV head `h` into the output.
+pub unsafe fn merge(c: &Call, grp: usize, h: usize) {
+    let w = std::slice::from_raw_parts(c.merges.add(4 * grp), 4);
+    let (tok0, ntok, nsplit, part) = (w[0] as usize, w[1] as usize, w[2] as usize, w[3] as usize);
+    let d = c.head_dim;
+    let g = c.num_q_heads / c.num_kv_heads;
+    let rows = ntok * g;
+    let block = c.num_kv_heads * rows * (d + 2);
+    let vs = if c.fp8_scale.is_null() { 1.0 } else { *c.fp8_scale.add(c.num_kv_heads + h) };
+    for r in 0..rows {
+        let at = |s: usize| c.partial.add(part + s * block + h * rows * (d + 2) + r * (d + 2));
+        let mut m = f32::NEG_INFINITY;
+        for s in 0..nsplit {
+            m = m.max(*at(s).add(d));
+        }
+        let mut l = 0.0f32;
+        let mut wts = [0f32; 256];
+        for (s, wt) in wts.iter_mut().enumerate().take(nsplit) {
+            let ms = *at(s).add(d);
+            *wt = if ms == f32::NEG_INFINITY { 0.0 } else { (ms - m).exp() };
+            l += *wt * *at(s).add(d + 1);
+        }
+        let inv = if l > 0.0 { vs / l } else { 0.0 };
+        let (i, gg) = (r / g, r % g);
+        let dst = c.out.add(((tok0 + i) * c.out_stride_tok + (h * g + gg) * c.out_stride_head) * c.dt.size());
+        for e in 0..d {
+            let mut o = 0.0f32;
+            for (s, wt) in wts.iter().enumerate().take(nsplit) {
+                o += *wt * *at(s).add(e);
+            }
+            c.dt.write(dst, e, o * inv);
+        }
+    }
+}

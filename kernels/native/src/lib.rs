@@ -1,0 +1,106 @@
+//! Native CPU kernels of `kvcore_kernels` (module `kvcore_kernels._native`): paged attention that
+//! reads K and V in place through the block table. Knows nothing of torch or kvcore: it takes
+//! addresses, strides and sizes; `kvcore_kernels/cpu_native.py` checks the tensors and builds
+//! the work list once per step.
+//!
+//! * `attend`: one item (request x KV head x query tokens x key range), the online softmax.
+//! * `simd`: the 16-lane vector type, AVX-512 or portable, chosen at run time here.
+//! * `pool`: torch's OpenMP team, a rayon pool or the calling thread.
+
+pub mod attend;
+pub mod pool;
+pub mod simd;
+
+use attend::{run_item, scratch_len, Call};
+use simd::Portable;
+use std::cell::RefCell;
+
+thread_local! {
+    /// Per-thread scratch, grown to the largest item seen and kept (no allocation per call).
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether this CPU runs the AVX-512 path (avx512f/bw/dq/vl).
+pub fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+type ItemFn = unsafe fn(&Call, usize, usize, &mut [f32]);
+
+unsafe fn item_portable<const F: u8>(c: &Call, item: usize, h: usize, s: &mut [f32]) {
+    run_item::<Portable, F>(c, item, h, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma")]
+unsafe fn item_avx512<const F: u8>(c: &Call, item: usize, h: usize, s: &mut [f32]) {
+    run_item::<simd::Avx512, F>(c, item, h, s)
+}
+
+fn item_fn(fmt: attend::Fmt, avx512: bool) -> ItemFn {
+    macro_rules! pick {
+        ($f:ident) => {
+            match attend::fmt_code(fmt) {
+                0 => $f::<0> as ItemFn,
+                1 => $f::<1>,
+                2 => $f::<2>,
+                3 => $f::<3>,
+                4 => $f::<4>,
+                _ => $f::<5>,
+            }
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx512 {
+        return pick!(item_avx512);
+    }
+    let _ = avx512;
+    pick!(item_portable)
+}
+
+/// Run every work item, then every merge group, for all KV heads.
+///
+/// # Safety
+/// Every pointer and stride of `c` must describe live memory of the stated shapes; `max_rows`
+/// bounds the rows (query tokens x GQA group) of any item.
+pub unsafe fn run(
+    c: &Call,
+    num_items: usize,
+    num_merges: usize,
+    max_rows: usize,
+    threads: usize,
+    mode: pool::Mode,
+    portable: bool,
+) -> Result<(), ()> {
+    let f = item_fn(c.fmt, !portable && has_avx512());
+    let hk = c.num_kv_heads;
+    let need = scratch_len(max_rows, c.head_dim);
+    pool::for_each(num_items * hk, threads, mode, &|t| {
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            if s.len() < need {
+                s.resize(need, 0.0);
+            }
+            unsafe { f(c, t / hk, t % hk, &mut s[..need]) };
+        })
+    })?;
+    if num_merges > 0 {
+        pool::for_each(num_merges * hk, threads, mode, &|t| unsafe {
+            attend::merge(c, t / hk, t % hk)
+        })?;
+    }
+    Ok(())
+}
+
+#[cfg(feature = "python")]
+mod py;
