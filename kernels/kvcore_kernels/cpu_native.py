@@ -25,6 +25,7 @@ threads, so it never competes with torch's spinning workers. ``KVCORE_NATIVE_THR
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 from dataclasses import dataclass
 
@@ -41,8 +42,8 @@ MODES = {"single": 0, "omp": 1, "rayon": 2}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FMT_F32, FMT_BF16, FMT_F16, FMT_INT8, FMT_E4M3, FMT_E5M2 = range(6)
 
-try:
-    from kvcore_kernels import _native
+try:  # the compiled extension (not a Python module of the layer table)
+    _native = importlib.import_module("kvcore_kernels._native")
 except ImportError:  # a build without the extension: every caller falls back to the twin
     _native = None
 
@@ -58,6 +59,7 @@ class Options:
 
     mode: str = os.environ.get("KVCORE_NATIVE_THREADS", "omp")
     portable: bool = os.environ.get("KVCORE_NATIVE_PORTABLE", "") not in ("", "0")
+    split_keys: int | None = None  # tests: split every item into runs of this many keys
 
 
 OPTIONS = Options()
@@ -119,7 +121,7 @@ def work_for(
     threads: int,
 ) -> NativeWork:
     """The items of a step (cached in ``meta.cache``): built once, read by every layer."""
-    key = ("native", window, num_kv_heads, group, head_dim, threads)
+    key = ("native", window, num_kv_heads, group, head_dim, threads, OPTIONS.split_keys)
     work = meta.cache.get(key)
     if work is None:
         work = meta.cache[key] = _build(meta, window, num_kv_heads, group, head_dim, threads)
@@ -154,6 +156,8 @@ def _build(
         target = -(-int(span.sum()) * num_kv_heads // (TASKS_PER_THREAD * threads))
         split_len = max(MIN_SPLIT_KEYS, -(-target // 16) * 16)
         splits = np.clip(-(-span // split_len), 1, MAX_SPLITS)
+    if OPTIONS.split_keys:
+        splits = np.clip(-(-span // OPTIONS.split_keys), 1, MAX_SPLITS)
     rows = ntok * group
     block = num_kv_heads * rows * (head_dim + 2)  # floats of one split's partial
     items, merges, offset = [], [], 0

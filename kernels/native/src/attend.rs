@@ -127,6 +127,34 @@ unsafe fn load_row<S: Simd, const F: u8>(p: *const u8, c: usize) -> S {
     }
 }
 
+/// Keys ahead of the current tile whose K and V rows are prefetched.
+const PREFETCH_KEYS: i64 = 32;
+
+/// Bytes per stored element of format `F`.
+#[inline(always)]
+fn elem_bytes(f: u8) -> usize {
+    match f {
+        0 => 4,
+        1 | 2 => 2,
+        _ => 1,
+    }
+}
+
+/// Ask for the cache lines of a row (a hint: no fault, no effect on results).
+#[inline(always)]
+unsafe fn prefetch_row(p: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let mut o = 0;
+        while o < bytes {
+            _mm_prefetch::<_MM_HINT_T0>(p.add(o) as *const i8);
+            o += 64;
+        }
+    }
+    let _ = (p, bytes);
+}
+
 /// Format as the const generic `run_item` is instantiated with.
 pub fn fmt_code(f: Fmt) -> u8 {
     match f {
@@ -136,6 +164,72 @@ pub fn fmt_code(f: Fmt) -> u8 {
         Fmt::I8 => 3,
         Fmt::E4m3 => 4,
         Fmt::E5m2 => 5,
+    }
+}
+
+/// `p[x][:] = sum_dd q[x][dd] * kt[dd][:]` for `NR` rows (q rows `d` apart, p rows `W` apart),
+/// two accumulators per row (even / odd `dd`) to keep eight FMA chains in flight.
+#[inline(always)]
+unsafe fn qk_rows<S: Simd, const NR: usize>(q: *const f32, d: usize, kt: *const f32, p: *mut f32) {
+    let mut s0 = [S::splat(0.0); NR];
+    let mut s1 = [S::splat(0.0); NR];
+    let mut dd = 0;
+    while dd < d {
+        let k0 = S::load(kt.add(dd * W));
+        let k1 = S::load(kt.add((dd + 1) * W));
+        for x in 0..NR {
+            s0[x] = S::splat(*q.add(x * d + dd)).fma(k0, s0[x]);
+            s1[x] = S::splat(*q.add(x * d + dd + 1)).fma(k1, s1[x]);
+        }
+        dd += 2;
+    }
+    for x in 0..NR {
+        s0[x].add(s1[x]).store(p.add(x * W));
+    }
+}
+
+/// `acc[x][:] += sum_j p[x][j] * vt[j][:]` for `NR` rows, 32 columns at a time (16 for an odd
+/// last chunk).
+#[inline(always)]
+unsafe fn pv_rows<S: Simd, const NR: usize>(acc: *mut f32, p: *const f32, d: usize, vt: *const f32, nk: usize) {
+    let mut cc = 0;
+    if (d / W) % 2 == 1 {
+        let mut a = [S::splat(0.0); NR];
+        for x in 0..NR {
+            a[x] = S::load(acc.add(x * d));
+        }
+        for j in 0..nk {
+            let v = S::load(vt.add(j * d));
+            for x in 0..NR {
+                a[x] = S::splat(*p.add(x * W + j)).fma(v, a[x]);
+            }
+        }
+        for x in 0..NR {
+            a[x].store(acc.add(x * d));
+        }
+        cc = W;
+    }
+    while cc < d {
+        let mut a0 = [S::splat(0.0); NR];
+        let mut a1 = [S::splat(0.0); NR];
+        for x in 0..NR {
+            a0[x] = S::load(acc.add(x * d + cc));
+            a1[x] = S::load(acc.add(x * d + cc + W));
+        }
+        for j in 0..nk {
+            let v0 = S::load(vt.add(j * d + cc));
+            let v1 = S::load(vt.add(j * d + cc + W));
+            for x in 0..NR {
+                let pj = S::splat(*p.add(x * W + j));
+                a0[x] = pj.fma(v0, a0[x]);
+                a1[x] = pj.fma(v1, a1[x]);
+            }
+        }
+        for x in 0..NR {
+            a0[x].store(acc.add(x * d + cc));
+            a1[x].store(acc.add(x * d + cc + W));
+        }
+        cc += 2 * W;
     }
 }
 
@@ -190,29 +284,56 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, h: usize, sc
     let int8 = F == 3;
     let mut kptr = [zero_row; W];
     let mut vptr = [zero_row; W];
+    let row_of = |blk: i64, t: usize| head_base.add(blk as usize * c.stride_block + t * c.stride_tok);
+    let row_bytes = d * elem_bytes(F);
+    // Keys PREFETCH_KEYS ahead of the tile are prefetched (K and V rows): the rows of a
+    // request's blocks are scattered, so the hardware prefetcher cannot guess them.
+    let (mut pf_blk, mut pf_t) = (((key_lo + PREFETCH_KEYS) / bs) as usize, ((key_lo + PREFETCH_KEYS) % bs) as usize);
+    let mut pf_key = key_lo + PREFETCH_KEYS;
+    let (mut cur_blk, mut cur_t) = ((key_lo / bs) as usize, (key_lo % bs) as usize);
     let mut k0 = key_lo;
     while k0 < key_hi {
         let n = (key_hi - k0).min(W as i64) as usize;
+        let pf_end = (k0 + W as i64 + PREFETCH_KEYS).min(key_hi);
+        while pf_key < pf_end {
+            let blk = *table.add(pf_blk);
+            if blk != 0 || !c.released {
+                let r = row_of(blk, pf_t);
+                prefetch_row(r, row_bytes);
+                prefetch_row(r.add(c.v_offset), row_bytes);
+            }
+            pf_key += 1;
+            pf_t += 1;
+            if pf_t == c.block_size {
+                pf_t = 0;
+                pf_blk += 1;
+            }
+        }
         let mut tile_mask: u16 = 0;
         for j in 0..W {
             kptr[j] = zero_row;
             vptr[j] = zero_row;
-            kscale[j] = 0.0;
-            vscale[j] = 0.0;
             if j >= n {
+                kscale[j] = 0.0;
+                vscale[j] = 0.0;
                 continue;
             }
-            let key = k0 + j as i64;
-            let blk = *table.add((key / bs) as usize);
+            let blk = *table.add(cur_blk);
+            let t = cur_t;
+            cur_t += 1;
+            if cur_t == c.block_size {
+                cur_t = 0;
+                cur_blk += 1;
+            }
             if blk == 0 && c.released {
+                kscale[j] = 0.0;
+                vscale[j] = 0.0;
                 continue;
             }
-            let seg = head_base.add(blk as usize * c.stride_block);
-            let t = (key % bs) as usize;
-            kptr[j] = seg.add(t * c.stride_tok);
+            kptr[j] = row_of(blk, t);
             vptr[j] = kptr[j].add(c.v_offset);
             if int8 {
-                let s = seg.add(c.scale_offset) as *const u16;
+                let s = head_base.add(blk as usize * c.stride_block + c.scale_offset) as *const u16;
                 kscale[j] = simd::f16_to_f32(s.add(t).read_unaligned());
                 vscale[j] = simd::f16_to_f32(s.add(c.block_size + t).read_unaligned());
             }
@@ -249,18 +370,14 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, h: usize, sc
         // Scores of the visible rows, four at a time.
         let mut r = r_lo;
         while r < r_hi {
-            let nr = (r_hi - r).min(4);
-            let mut s = [S::splat(0.0); 4];
-            for dd in 0..d {
-                let k = S::load(kt.as_ptr().add(dd * W));
-                for (x, sx) in s.iter_mut().enumerate().take(nr) {
-                    *sx = S::splat(*q.get_unchecked((r + x) * d + dd)).fma(k, *sx);
-                }
+            let (qr, pr) = (q.as_ptr().add(r * d), p.as_mut_ptr().add(r * W));
+            match r_hi - r {
+                1 => qk_rows::<S, 1>(qr, d, kt.as_ptr(), pr),
+                2 => qk_rows::<S, 2>(qr, d, kt.as_ptr(), pr),
+                3 => qk_rows::<S, 3>(qr, d, kt.as_ptr(), pr),
+                _ => qk_rows::<S, 4>(qr, d, kt.as_ptr(), pr),
             }
-            for (x, sx) in s.iter().enumerate().take(nr) {
-                sx.store(p.as_mut_ptr().add((r + x) * W));
-            }
-            r += nr;
+            r += 4;
         }
         let ks = S::load(kscale.as_ptr());
         let vsc = S::load(vscale.as_ptr());
@@ -314,23 +431,14 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, h: usize, sc
         }
         let mut r = r_lo;
         while r < r_hi {
-            let nr = (r_hi - r).min(4);
-            for cc in 0..nc {
-                let mut a = [S::splat(0.0); 4];
-                for (x, ax) in a.iter_mut().enumerate().take(nr) {
-                    *ax = S::load(acc.as_ptr().add((r + x) * d + cc * W));
-                }
-                for j in 0..nk {
-                    let v = S::load(vt.as_ptr().add(j * d + cc * W));
-                    for (x, ax) in a.iter_mut().enumerate().take(nr) {
-                        *ax = S::splat(*p.get_unchecked((r + x) * W + j)).fma(v, *ax);
-                    }
-                }
-                for (x, ax) in a.iter().enumerate().take(nr) {
-                    ax.store(acc.as_mut_ptr().add((r + x) * d + cc * W));
-                }
+            let (ar, pr) = (acc.as_mut_ptr().add(r * d), p.as_ptr().add(r * W));
+            match r_hi - r {
+                1 => pv_rows::<S, 1>(ar, pr, d, vt.as_ptr(), nk),
+                2 => pv_rows::<S, 2>(ar, pr, d, vt.as_ptr(), nk),
+                3 => pv_rows::<S, 3>(ar, pr, d, vt.as_ptr(), nk),
+                _ => pv_rows::<S, 4>(ar, pr, d, vt.as_ptr(), nk),
             }
-            r += nr;
+            r += 4;
         }
         k0 += W as i64;
     }
