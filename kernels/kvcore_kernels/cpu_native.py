@@ -1,9 +1,11 @@
 """The native CPU paged attention (Rust, ``kvcore_kernels._native``): loading, threads, work list.
 
 The kernel (``kernels/native/src``) reads K and V in place through the block table: no gather,
-no padding to zero. Its unit of work is an *item*: one request, a run of up to ``ITEM_ROWS //
-group`` of its query tokens, and a key range; every item runs for every KV head, with all the
-query heads of that KV head as rows of one online softmax, so each K/V row is read once per item.
+no padding to zero. Its unit of work (one task) is an *item*: one request, a run of up to
+``ITEM_ROWS // group`` of its query tokens, and a key range, for every KV head in turn over each
+tile of 16 keys (a token's heads are adjacent in the cache, so an item streams through its blocks
+once), with all the query heads of a KV head as rows of one online softmax: each K/V row is read
+once per item.
 When a step has too few items to keep the threads busy (batch 1, long context), an item's key
 range is cut into splits whose partial results a second pass merges (flash-decoding)::
 
@@ -60,6 +62,7 @@ class Options:
     mode: str = os.environ.get("KVCORE_NATIVE_THREADS", "omp")
     portable: bool = os.environ.get("KVCORE_NATIVE_PORTABLE", "") not in ("", "0")
     split_keys: int | None = None  # tests: split every item into runs of this many keys
+    fuse_heads: bool = os.environ.get("KVCORE_NATIVE_FUSE_HEADS", "") not in ("", "0")
 
 
 OPTIONS = Options()
@@ -121,7 +124,8 @@ def work_for(
     threads: int,
 ) -> NativeWork:
     """The items of a step (cached in ``meta.cache``): built once, read by every layer."""
-    key = ("native", window, num_kv_heads, group, head_dim, threads, OPTIONS.split_keys)
+    key = ("native", window, num_kv_heads, group, head_dim, threads, OPTIONS.split_keys,
+           OPTIONS.fuse_heads)  # fmt: skip
     work = meta.cache.get(key)
     if work is None:
         work = meta.cache[key] = _build(meta, window, num_kv_heads, group, head_dim, threads)
@@ -152,8 +156,9 @@ def _build(
     span = key_hi - key_lo
     # Splits: only when the items alone cannot keep the threads busy.
     splits = np.ones_like(span)
-    if len(span) and threads > 1 and len(span) * num_kv_heads < TASKS_PER_THREAD * threads:
-        target = -(-int(span.sum()) * num_kv_heads // (TASKS_PER_THREAD * threads))
+    per_item = 1 if OPTIONS.fuse_heads else num_kv_heads  # tasks per item
+    if len(span) and threads > 1 and len(span) * per_item < TASKS_PER_THREAD * threads:
+        target = -(-int(span.sum()) * per_item // (TASKS_PER_THREAD * threads))
         split_len = max(MIN_SPLIT_KEYS, -(-target // 16) * 16)
         splits = np.clip(-(-span // split_len), 1, MAX_SPLITS)
     if OPTIONS.split_keys:
@@ -182,7 +187,7 @@ def _build(
         work=work,
         merges=np.array(merges, dtype=np.int64).reshape(-1, 4),
         partial=torch.empty(max(offset, 1), dtype=torch.float32),
-        max_rows=int(rows.max()) if len(rows) else 1,
+        max_rows=int(ntok.max()) * num_kv_heads * group if len(ntok) else 1,
         qsl=np.ascontiguousarray(qsl, dtype=np.int64),
         seq_lens=np.ascontiguousarray(lens, dtype=np.int64),
         table=np.ascontiguousarray(meta.host_block_table, dtype=np.int64),
@@ -225,6 +230,6 @@ def run(
         bool(meta.num_released),
         work.work.ctypes.data, len(work.work), work.merges.ctypes.data, len(work.merges),
         work.partial.data_ptr(), work.max_rows,
-        threads, MODES[OPTIONS.mode], OPTIONS.portable,
+        threads, MODES[OPTIONS.mode], OPTIONS.portable, OPTIONS.fuse_heads,
     )  # fmt: skip
     return out

@@ -80,6 +80,7 @@ def _compare(native, twin, dtype):
 @given(draw=batches())
 def test_plain_cache_matches_twin(draw, path, monkeypatch):
     monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", draw["split_keys"])
+    monkeypatch.setattr(cpu_native.OPTIONS, "fuse_heads", draw["seed"] % 2 == 0)
     gen = torch.Generator().manual_seed(draw["seed"])
     b = make_batch(
         gen, draw["reqs"], block_size=draw["block_size"], num_q_heads=draw["num_q_heads"],
@@ -120,10 +121,13 @@ def test_quantized_cache_matches_twin(draw, fmt, path, monkeypatch):
     _compare(native, twin, dtype)
 
 
+@pytest.mark.parametrize("fuse_heads", [False, True])
 @pytest.mark.parametrize("mode", ["single", "omp", "rayon"])
-def test_thread_modes_and_splits_agree(mode, monkeypatch, gen):
-    """Batch 1 over a long context splits the key range; every thread mode gives one answer."""
+def test_thread_modes_and_splits_agree(mode, fuse_heads, monkeypatch, gen):
+    """Batch 1 over a long context splits the key range; every thread mode (and tasks of one
+    or of all KV heads) gives one answer."""
     monkeypatch.setattr(cpu_native.OPTIONS, "mode", mode)
+    monkeypatch.setattr(cpu_native.OPTIONS, "fuse_heads", fuse_heads)
     b = make_batch(gen, [(3000, 1), (0, 1), (700, 3)], block_size=16, num_q_heads=8,
                    num_kv_heads=2, head_dim=64, dtype=torch.float32)  # fmt: skip
     meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 16)

@@ -110,9 +110,10 @@ pub struct Call {
 unsafe impl Sync for Call {}
 unsafe impl Send for Call {}
 
-/// Floats of scratch one thread needs for items of up to `rows` rows.
+/// Floats of scratch one thread needs for items of up to `rows` rows (all heads).
 pub fn scratch_len(rows: usize, d: usize) -> usize {
-    2 * rows * d + 2 * rows + 2 * W * d + rows * W + 2 * W + d
+    2 * rows * d + 2 * rows + 2 * W * d + rows * W + 2 * W + d + rows * d / 2 + W
+
 }
 
 #[inline(always)]
@@ -128,7 +129,7 @@ unsafe fn load_row<S: Simd, const F: u8>(p: *const u8, c: usize) -> S {
 }
 
 /// Keys ahead of the current tile whose K and V rows are prefetched.
-const PREFETCH_KEYS: i64 = 32;
+const PREFETCH_KEYS: i64 = 64;
 
 /// Bytes per stored element of format `F`.
 #[inline(always)]
@@ -233,15 +234,61 @@ unsafe fn pv_rows<S: Simd, const NR: usize>(acc: *mut f32, p: *const f32, d: usi
     }
 }
 
-/// Attention of work item `item` for KV head `h`; `scratch` holds `scratch_len` floats.
+/// `pv_rows` reading V rows of format `F` in place (`vptr`), each widened once per 16 columns.
 #[inline(always)]
-pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, h: usize, scratch: &mut [f32]) {
+unsafe fn pv_direct<S: Simd, const F: u8, const NR: usize>(
+    acc: *mut f32,
+    p: *const f32,
+    d: usize,
+    vptr: &[*const u8; W],
+    nk: usize,
+) {
+    let mut cc = 0;
+    while cc < d {
+        let two = cc + 2 * W <= d;
+        let mut a0 = [S::splat(0.0); NR];
+        let mut a1 = [S::splat(0.0); NR];
+        for x in 0..NR {
+            a0[x] = S::load(acc.add(x * d + cc));
+            if two {
+                a1[x] = S::load(acc.add(x * d + cc + W));
+            }
+        }
+        for (j, &v) in vptr.iter().enumerate().take(nk) {
+            let v0 = load_row::<S, F>(v, cc);
+            let v1 = if two { load_row::<S, F>(v, cc + W) } else { v0 };
+            for x in 0..NR {
+                let pj = S::splat(*p.add(x * W + j));
+                a0[x] = pj.fma(v0, a0[x]);
+                if two {
+                    a1[x] = pj.fma(v1, a1[x]);
+                }
+            }
+        }
+        for x in 0..NR {
+            a0[x].store(acc.add(x * d + cc));
+            if two {
+                a1[x].store(acc.add(x * d + cc + W));
+            }
+        }
+        cc += if two { 2 * W } else { W };
+    }
+}
+
+/// Attention of work item `item` for KV heads `heads.0 .. heads.1` (one task); with all heads
+/// the item streams through its blocks once (a token's heads are adjacent in the cache).
+/// `scratch` holds `scratch_len(rows, d)` floats, `rows` = the item's query rows of those heads.
+#[inline(always)]
+pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, heads: (usize, usize), scratch: &mut [f32]) {
     let w = std::slice::from_raw_parts(c.work.add(6 * item), 6);
     let (req, tok0, ntok) = (w[0] as usize, w[1] as usize, w[2] as usize);
     let (key_lo, key_hi, part) = (w[3], w[4], w[5]);
     let d = c.head_dim;
-    let g = c.num_q_heads / c.num_kv_heads;
-    let rows = ntok * g;
+    let hk = c.num_kv_heads;
+    let g = c.num_q_heads / hk;
+    let hrows = ntok * g; // rows of one KV head: r = i * g + gg
+    let (h0, h1) = heads; // this task's KV heads
+    let rows = (h1 - h0) * hrows; // head hh's rows start at (hh - h0) * hrows
     let nc = d / W;
     let (q, rest) = scratch.split_at_mut(rows * d);
     let (acc, rest) = rest.split_at_mut(rows * d);
@@ -249,29 +296,33 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, h: usize, sc
     let (l, rest) = rest.split_at_mut(rows);
     let (kt, rest) = rest.split_at_mut(W * d);
     let (vt, rest) = rest.split_at_mut(W * d);
-    let (p, rest) = rest.split_at_mut(rows * W);
+    let (p, rest) = rest.split_at_mut(hrows * W);
     let (kscale, rest) = rest.split_at_mut(W);
     let (vscale, rest) = rest.split_at_mut(W);
-    let zero = &mut rest[..d];
+    let (zero, rest) = rest.split_at_mut(d);
     zero.fill(0.0);
+    let dpbf16 = S::DPBF16 && F == 1 && d % 32 == 0; // bf16 K rows dotted with raw bf16 q
+    let qb = rest.as_mut_ptr() as *mut u16; // [rows, d] bf16 query rows (dpbf16 only)
     let zero_row = zero.as_ptr() as *const u8; // zero in every format
 
     let seq_len = *c.seq_lens.add(req);
     let q_len = *c.qsl.add(req + 1) - *c.qsl.add(req);
     let first_pos = seq_len - q_len + (tok0 as i64 - *c.qsl.add(req));
-    let mut qscale = c.scale;
-    let mut vs = 1.0f32;
-    if !c.fp8_scale.is_null() {
-        qscale *= *c.fp8_scale.add(h);
-        vs = *c.fp8_scale.add(c.num_kv_heads + h);
-    }
-    for i in 0..ntok {
-        let src = c.q.add(((tok0 + i) * c.q_stride_tok) * c.dt.size());
-        for gg in 0..g {
-            let row = src.add((h * g + gg) * c.q_stride_head * c.dt.size());
-            let dst = &mut q[(i * g + gg) * d..][..d];
-            for (e, x) in dst.iter_mut().enumerate() {
-                *x = c.dt.read(row, e) * qscale;
+    let kscale_of = |hh: usize| if c.fp8_scale.is_null() { 1.0 } else { *c.fp8_scale.add(hh) };
+    for hh in h0..h1 {
+        let qscale = c.scale * kscale_of(hh);
+        for i in 0..ntok {
+            let src = c.q.add((tok0 + i) * c.q_stride_tok * c.dt.size());
+            for gg in 0..g {
+                let row = src.add((hh * g + gg) * c.q_stride_head * c.dt.size());
+                let r = (hh - h0) * hrows + i * g + gg;
+                let dst = &mut q[r * d..][..d];
+                for (e, x) in dst.iter_mut().enumerate() {
+                    *x = c.dt.read(row, e) * qscale;
+                }
+                if dpbf16 {
+                    std::ptr::copy_nonoverlapping(row as *const u16, qb.add(r * d), d);
+                }
             }
         }
     }
@@ -279,18 +330,18 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, h: usize, sc
     m.fill(f32::NEG_INFINITY);
     l.fill(0.0);
     let table = c.table.add(req * c.table_stride);
-    let head_base = c.kv.add(h * c.stride_head);
     let bs = c.block_size as i64;
     let int8 = F == 3;
+    let row_bytes = d * elem_bytes(F);
+    // Keys PREFETCH_KEYS ahead of the tile are prefetched (K and V rows of every head): a
+    // request's blocks are scattered, so the hardware prefetcher cannot guess them.
+    let mut pf_key = key_lo + PREFETCH_KEYS;
+    let (mut pf_blk, mut pf_t) = ((pf_key / bs) as usize, (pf_key % bs) as usize);
+    let (mut cur_blk, mut cur_t) = ((key_lo / bs) as usize, (key_lo % bs) as usize);
+    let mut base = [0usize; W]; // byte offset of key j's K row of head 0 (real keys)
     let mut kptr = [zero_row; W];
     let mut vptr = [zero_row; W];
-    let row_of = |blk: i64, t: usize| head_base.add(blk as usize * c.stride_block + t * c.stride_tok);
-    let row_bytes = d * elem_bytes(F);
-    // Keys PREFETCH_KEYS ahead of the tile are prefetched (K and V rows): the rows of a
-    // request's blocks are scattered, so the hardware prefetcher cannot guess them.
-    let (mut pf_blk, mut pf_t) = (((key_lo + PREFETCH_KEYS) / bs) as usize, ((key_lo + PREFETCH_KEYS) % bs) as usize);
-    let mut pf_key = key_lo + PREFETCH_KEYS;
-    let (mut cur_blk, mut cur_t) = ((key_lo / bs) as usize, (key_lo % bs) as usize);
+    let mut masks = [0u16; 256];
     let mut k0 = key_lo;
     while k0 < key_hi {
         let n = (key_hi - k0).min(W as i64) as usize;
@@ -298,9 +349,11 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, h: usize, sc
         while pf_key < pf_end {
             let blk = *table.add(pf_blk);
             if blk != 0 || !c.released {
-                let r = row_of(blk, pf_t);
-                prefetch_row(r, row_bytes);
-                prefetch_row(r.add(c.v_offset), row_bytes);
+                let r = c.kv.add(blk as usize * c.stride_block + pf_t * c.stride_tok);
+                for hh in h0..h1 {
+                    prefetch_row(r.add(hh * c.stride_head), row_bytes);
+                    prefetch_row(r.add(hh * c.stride_head + c.v_offset), row_bytes);
+                }
             }
             pf_key += 1;
             pf_t += 1;
@@ -310,39 +363,24 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, h: usize, sc
             }
         }
         let mut tile_mask: u16 = 0;
-        for j in 0..W {
-            kptr[j] = zero_row;
-            vptr[j] = zero_row;
-            if j >= n {
-                kscale[j] = 0.0;
-                vscale[j] = 0.0;
-                continue;
-            }
+        let mut tok = [0usize; W];
+        for j in 0..n {
             let blk = *table.add(cur_blk);
-            let t = cur_t;
+            tok[j] = cur_t;
             cur_t += 1;
             if cur_t == c.block_size {
                 cur_t = 0;
                 cur_blk += 1;
             }
             if blk == 0 && c.released {
-                kscale[j] = 0.0;
-                vscale[j] = 0.0;
                 continue;
             }
-            kptr[j] = row_of(blk, t);
-            vptr[j] = kptr[j].add(c.v_offset);
-            if int8 {
-                let s = head_base.add(blk as usize * c.stride_block + c.scale_offset) as *const u16;
-                kscale[j] = simd::f16_to_f32(s.add(t).read_unaligned());
-                vscale[j] = simd::f16_to_f32(s.add(c.block_size + t).read_unaligned());
-            }
+            base[j] = blk as usize * c.stride_block;
             tile_mask |= 1 << j;
         }
-        // Rows that see some key of the tile: qpos >= k0 and qpos - window < k0 + n - 1.
-        let mut r_lo = rows;
+        // Tokens that see some key of the tile: qpos >= k0 and qpos - window < k0 + n - 1.
+        let mut r_lo = hrows;
         let mut r_hi = 0;
-        let mut masks = [0u16; 256];
         for i in 0..ntok {
             let qpos = first_pos + i as i64;
             let hi = (qpos - k0 + 1).clamp(0, W as i64) as u32; // lanes < hi: key <= qpos
@@ -359,28 +397,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, h: usize, sc
             k0 += W as i64;
             continue;
         }
-        // K tile, transposed: kt[dd * W + j] = K[j][dd]
-        for cc in 0..nc {
-            let mut tile: [S; W] = std::array::from_fn(|j| load_row::<S, F>(kptr[j], cc * W));
-            S::transpose(&mut tile);
-            for (i, v) in tile.iter().enumerate() {
-                v.store(kt.as_mut_ptr().add((cc * W + i) * W));
-            }
-        }
-        // Scores of the visible rows, four at a time.
-        let mut r = r_lo;
-        while r < r_hi {
-            let (qr, pr) = (q.as_ptr().add(r * d), p.as_mut_ptr().add(r * W));
-            match r_hi - r {
-                1 => qk_rows::<S, 1>(qr, d, kt.as_ptr(), pr),
-                2 => qk_rows::<S, 2>(qr, d, kt.as_ptr(), pr),
-                3 => qk_rows::<S, 3>(qr, d, kt.as_ptr(), pr),
-                _ => qk_rows::<S, 4>(qr, d, kt.as_ptr(), pr),
-            }
-            r += 4;
-        }
-        let ks = S::load(kscale.as_ptr());
-        let vsc = S::load(vscale.as_ptr());
+        let nk = W - tile_mask.leading_zeros() as usize; // last real key + 1
         let keys = {
             let mut a = [0f32; W];
             for (j, x) in a.iter_mut().enumerate() {
@@ -388,62 +405,124 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, h: usize, sc
             }
             S::load(a.as_ptr())
         };
-        for r in r_lo..r_hi {
-            let mk = masks[r / g];
-            let pr = p.as_mut_ptr().add(r * W);
-            if mk == 0 {
-                S::splat(0.0).store(pr);
-                continue;
-            }
-            let mut s = S::load(pr);
-            if int8 {
-                s = s.mul(ks);
-            }
-            if c.soft_cap > 0.0 {
-                s = simd::tanh(s.mul(S::splat(1.0 / c.soft_cap))).mul(S::splat(c.soft_cap));
-            }
-            if !c.alibi.is_null() {
-                let slope = *c.alibi.add(h * g + r % g);
-                let qpos = (first_pos + (r / g) as i64) as f32;
-                s = keys.add(S::splat(-qpos)).fma(S::splat(slope), s);
-            }
-            s = s.select(mk, S::splat(f32::NEG_INFINITY));
-            let m_new = m[r].max(s.hmax());
-            let alpha = if m[r] == f32::NEG_INFINITY { 0.0 } else { (m[r] - m_new).exp() };
-            let e = s.add(S::splat(-m_new)).exp().select(mk, S::splat(0.0));
-            l[r] = l[r] * alpha + e.hsum();
-            m[r] = m_new;
-            if alpha != 1.0 {
-                let a = S::splat(alpha);
-                for cc in 0..nc {
-                    let pa = acc.as_mut_ptr().add(r * d + cc * W);
-                    S::load(pa).mul(a).store(pa);
+        for hh in h0..h1 {
+            let head = c.kv.add(hh * c.stride_head);
+            for j in 0..W {
+                let real = tile_mask >> j & 1 != 0;
+                kptr[j] = if real { head.add(base[j] + tok[j] * c.stride_tok) } else { zero_row };
+                vptr[j] = if real { kptr[j].add(c.v_offset) } else { zero_row };
+                if int8 {
+                    let (mut ks, mut vs) = (0.0, 0.0);
+                    if real {
+                        let s = head.add(base[j] + c.scale_offset) as *const u16;
+                        ks = simd::f16_to_f32(s.add(tok[j]).read_unaligned());
+                        vs = simd::f16_to_f32(s.add(c.block_size + tok[j]).read_unaligned());
+                    }
+                    kscale[j] = ks;
+                    vscale[j] = vs;
                 }
             }
-            (if int8 { e.mul(vsc) } else { e }).store(pr);
-        }
-        // V tile, then P.V for the visible rows: four rows x one 16-wide column chunk at a time.
-        let nk = W - tile_mask.leading_zeros() as usize; // last real key + 1
-        for j in 0..nk {
-            for cc in 0..nc {
-                load_row::<S, F>(vptr[j], cc * W).store(vt.as_mut_ptr().add(j * d + cc * W));
+            let hq0 = (hh - h0) * hrows; // this head's first row
+            let (qh, acch) = (q.as_ptr().add(hq0 * d), acc.as_mut_ptr().add(hq0 * d));
+            // Scores of the visible rows.
+            if dpbf16 {
+                let qs = S::splat(c.scale);
+                for r in r_lo..r_hi {
+                    S::dot16_bf16(qb.add((hq0 + r) * d), &kptr, d).mul(qs).store(p.as_mut_ptr().add(r * W));
+                }
+            } else {
+                // K tile, transposed: kt[dd * W + j] = K[j][dd]
+                for cc in 0..nc {
+                    let mut tile: [S; W] = std::array::from_fn(|j| load_row::<S, F>(kptr[j], cc * W));
+                    S::transpose(&mut tile);
+                    for (i, v) in tile.iter().enumerate() {
+                        v.store(kt.as_mut_ptr().add((cc * W + i) * W));
+                    }
+                }
+                let mut r = r_lo;
+                while r < r_hi {
+                    let (qr, pr) = (qh.add(r * d), p.as_mut_ptr().add(r * W));
+                    match r_hi - r {
+                        1 => qk_rows::<S, 1>(qr, d, kt.as_ptr(), pr),
+                        2 => qk_rows::<S, 2>(qr, d, kt.as_ptr(), pr),
+                        3 => qk_rows::<S, 3>(qr, d, kt.as_ptr(), pr),
+                        _ => qk_rows::<S, 4>(qr, d, kt.as_ptr(), pr),
+                    }
+                    r += 4;
+                }
             }
-        }
-        let mut r = r_lo;
-        while r < r_hi {
-            let (ar, pr) = (acc.as_mut_ptr().add(r * d), p.as_ptr().add(r * W));
-            match r_hi - r {
-                1 => pv_rows::<S, 1>(ar, pr, d, vt.as_ptr(), nk),
-                2 => pv_rows::<S, 2>(ar, pr, d, vt.as_ptr(), nk),
-                3 => pv_rows::<S, 3>(ar, pr, d, vt.as_ptr(), nk),
-                _ => pv_rows::<S, 4>(ar, pr, d, vt.as_ptr(), nk),
+            // Online softmax of the visible rows.
+            let ks = S::load(kscale.as_ptr());
+            let vsc = S::load(vscale.as_ptr());
+            for r in r_lo..r_hi {
+                let mk = masks[r / g];
+                let pr = p.as_mut_ptr().add(r * W);
+                if mk == 0 {
+                    S::splat(0.0).store(pr);
+                    continue;
+                }
+                let mut s = S::load(pr);
+                if int8 {
+                    s = s.mul(ks);
+                }
+                if c.soft_cap > 0.0 {
+                    s = simd::tanh(s.mul(S::splat(1.0 / c.soft_cap))).mul(S::splat(c.soft_cap));
+                }
+                if !c.alibi.is_null() {
+                    let slope = *c.alibi.add(hh * g + r % g);
+                    let qpos = (first_pos + (r / g) as i64) as f32;
+                    s = keys.add(S::splat(-qpos)).fma(S::splat(slope), s);
+                }
+                s = s.select(mk, S::splat(f32::NEG_INFINITY));
+                let (mr, lr) = (&mut m[hq0 + r], &mut l[hq0 + r]);
+                let m_new = mr.max(s.hmax());
+                let alpha = if *mr == f32::NEG_INFINITY { 0.0 } else { (*mr - m_new).exp() };
+                let e = s.add(S::splat(-m_new)).exp().select(mk, S::splat(0.0));
+                *lr = *lr * alpha + e.hsum();
+                *mr = m_new;
+                if alpha != 1.0 {
+                    let a = S::splat(alpha);
+                    for cc in 0..nc {
+                        let pa = acch.add(r * d + cc * W);
+                        S::load(pa).mul(a).store(pa);
+                    }
+                }
+                (if int8 { e.mul(vsc) } else { e }).store(pr);
             }
-            r += 4;
+            // P.V
+            if r_hi - r_lo <= 4 {
+                // Few rows (decode): V rows widened straight from the cache into the FMAs.
+                let (ar, pr) = (acch.add(r_lo * d), p.as_ptr().add(r_lo * W));
+                match r_hi - r_lo {
+                    1 => pv_direct::<S, F, 1>(ar, pr, d, &vptr, nk),
+                    2 => pv_direct::<S, F, 2>(ar, pr, d, &vptr, nk),
+                    3 => pv_direct::<S, F, 3>(ar, pr, d, &vptr, nk),
+                    _ => pv_direct::<S, F, 4>(ar, pr, d, &vptr, nk),
+                }
+                continue;
+            }
+            for j in 0..nk {
+                for cc in 0..nc {
+                    load_row::<S, F>(vptr[j], cc * W).store(vt.as_mut_ptr().add(j * d + cc * W));
+                }
+            }
+            let mut r = r_lo;
+            while r < r_hi {
+                let (ar, pr) = (acch.add(r * d), p.as_ptr().add(r * W));
+                match r_hi - r {
+                    1 => pv_rows::<S, 1>(ar, pr, d, vt.as_ptr(), nk),
+                    2 => pv_rows::<S, 2>(ar, pr, d, vt.as_ptr(), nk),
+                    3 => pv_rows::<S, 3>(ar, pr, d, vt.as_ptr(), nk),
+                    _ => pv_rows::<S, 4>(ar, pr, d, vt.as_ptr(), nk),
+                }
+                r += 4;
+            }
         }
         k0 += W as i64;
     }
     if part >= 0 {
-        let base = c.partial.add(part as usize + h * rows * (d + 2));
+        // partial block layout: [head][hrows][d + 2] = (acc, m, l)
+        let base = c.partial.add(part as usize + h0 * hrows * (d + 2));
         for r in 0..rows {
             let dst = base.add(r * (d + 2));
             std::ptr::copy_nonoverlapping(acc.as_ptr().add(r * d), dst, d);
@@ -452,13 +531,16 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, h: usize, sc
         }
         return;
     }
-    for i in 0..ntok {
-        for gg in 0..g {
-            let r = i * g + gg;
-            let inv = if l[r] > 0.0 { vs / l[r] } else { 0.0 };
-            let dst = c.out.add(((tok0 + i) * c.out_stride_tok + (h * g + gg) * c.out_stride_head) * c.dt.size());
-            for e in 0..d {
-                c.dt.write(dst, e, acc[r * d + e] * inv);
+    for hh in h0..h1 {
+        let vs = if c.fp8_scale.is_null() { 1.0 } else { *c.fp8_scale.add(hk + hh) };
+        for i in 0..ntok {
+            for gg in 0..g {
+                let r = (hh - h0) * hrows + i * g + gg;
+                let inv = if l[r] > 0.0 { vs / l[r] } else { 0.0 };
+                let dst = c.out.add(((tok0 + i) * c.out_stride_tok + (hh * g + gg) * c.out_stride_head) * c.dt.size());
+                for e in 0..d {
+                    c.dt.write(dst, e, acc[r * d + e] * inv);
+                }
             }
         }
     }

@@ -35,16 +35,37 @@ pub fn has_avx512() -> bool {
     }
 }
 
-type ItemFn = unsafe fn(&Call, usize, usize, &mut [f32]);
+type ItemFn = unsafe fn(&Call, usize, (usize, usize), &mut [f32]);
 
-unsafe fn item_portable<const F: u8>(c: &Call, item: usize, h: usize, s: &mut [f32]) {
-    run_item::<Portable, F>(c, item, h, s)
+unsafe fn item_portable<const F: u8>(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
+    run_item::<Portable, F>(c, item, heads, s)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma")]
-unsafe fn item_avx512<const F: u8>(c: &Call, item: usize, h: usize, s: &mut [f32]) {
-    run_item::<simd::Avx512, F>(c, item, h, s)
+unsafe fn item_avx512<const F: u8>(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
+    run_item::<simd::Avx512<false>, F>(c, item, heads, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,f16c,fma")]
+unsafe fn item_avx512_bf16(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
+    run_item::<simd::Avx512<true>, 1>(c, item, heads, s)
+}
+
+/// Whether bf16 caches take the AVX-512 BF16 dot-product path (`KVCORE_NATIVE_NO_DPBF16` unset).
+pub fn use_dpbf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            is_x86_feature_detected!("avx512bf16") && std::env::var_os("KVCORE_NATIVE_NO_DPBF16").is_none()
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 fn item_fn(fmt: attend::Fmt, avx512: bool) -> ItemFn {
@@ -62,17 +83,21 @@ fn item_fn(fmt: attend::Fmt, avx512: bool) -> ItemFn {
     }
     #[cfg(target_arch = "x86_64")]
     if avx512 {
+        if fmt == attend::Fmt::Bf16 && use_dpbf16() {
+            return item_avx512_bf16;
+        }
         return pick!(item_avx512);
     }
     let _ = avx512;
     pick!(item_portable)
 }
 
-/// Run every work item, then every merge group, for all KV heads.
+/// Run every work item (all KV heads in one task if `fuse_heads`, else one task per KV head),
+/// then every merge group (one task per KV head).
 ///
 /// # Safety
 /// Every pointer and stride of `c` must describe live memory of the stated shapes; `max_rows`
-/// bounds the rows (query tokens x GQA group) of any item.
+/// bounds the rows (query tokens x query heads) of any item.
 pub unsafe fn run(
     c: &Call,
     num_items: usize,
@@ -81,17 +106,21 @@ pub unsafe fn run(
     threads: usize,
     mode: pool::Mode,
     portable: bool,
+    fuse_heads: bool,
 ) -> Result<(), ()> {
     let f = item_fn(c.fmt, !portable && has_avx512());
     let hk = c.num_kv_heads;
-    let need = scratch_len(max_rows, c.head_dim);
-    pool::for_each(num_items * hk, threads, mode, &|t| {
+    let hpt = if fuse_heads { hk } else { 1 }; // KV heads per task
+    let per_item = hk / hpt;
+    let need = scratch_len(max_rows / hk * hpt, c.head_dim);
+    pool::for_each(num_items * per_item, threads, mode, &|t| {
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
             if s.len() < need {
                 s.resize(need, 0.0);
             }
-            unsafe { f(c, t / hk, t % hk, &mut s[..need]) };
+            let h0 = (t % per_item) * hpt;
+            unsafe { f(c, t / per_item, (h0, h0 + hpt), &mut s[..need]) };
         })
     })?;
     if num_merges > 0 {

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
     qsl, seq_lens, table, table_stride,
     scale, window, soft_cap, alibi, fp8_scale, released,
     work, num_items, merges, num_merges, partial, max_rows,
-    threads, mode, portable
+    threads, mode, portable, fuse_heads
 ))]
 #[allow(clippy::too_many_arguments)]
 fn paged_attention(
@@ -28,7 +28,7 @@ fn paged_attention(
     qsl: usize, seq_lens: usize, table: usize, table_stride: usize,
     scale: f32, window: i64, soft_cap: f32, alibi: usize, fp8_scale: usize, released: bool,
     work: usize, num_items: usize, merges: usize, num_merges: usize, partial: usize,
-    max_rows: usize, threads: usize, mode: u8, portable: bool,
+    max_rows: usize, threads: usize, mode: u8, portable: bool, fuse_heads: bool,
 ) -> PyResult<()> {
     let dt = match dtype {
         0 => Dt::F32,
@@ -54,7 +54,7 @@ fn paged_attention(
     if head_dim % crate::simd::W != 0 || head_dim == 0 || num_kv_heads == 0 || num_q_heads % num_kv_heads != 0 {
         return Err(PyValueError::new_err("head_dim must be a multiple of 16, heads a multiple of KV heads"));
     }
-    if max_rows > 256 * (num_q_heads / num_kv_heads) {
+    if max_rows > 256 * num_q_heads {
         return Err(PyValueError::new_err("an item holds at most 256 query tokens"));
     }
     let c = Call {
@@ -69,7 +69,7 @@ fn paged_attention(
         partial: partial as *mut f32,
     };
     let res = py.detach(|| unsafe {
-        crate::run(&c, num_items, num_merges, max_rows, threads, mode, portable)
+        crate::run(&c, num_items, num_merges, max_rows, threads, mode, portable, fuse_heads)
     });
     res.map_err(|_| PyRuntimeError::new_err("native paged attention panicked"))
 }

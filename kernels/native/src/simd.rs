@@ -32,6 +32,13 @@ pub trait Simd: Copy {
     unsafe fn load_i8(p: *const i8) -> Self;
     unsafe fn load_e4m3(p: *const u8) -> Self;
     unsafe fn load_e5m2(p: *const u8) -> Self;
+    /// Whether `dot16_bf16` is implemented (AVX-512 BF16 dot products).
+    const DPBF16: bool = false;
+    /// Lane j: `sum_d q[d] * k[j][d]` over bf16 rows of `d` elements (`d` a multiple of 32).
+    #[inline(always)]
+    unsafe fn dot16_bf16(_q: *const u16, _k: &[*const u8; W], _d: usize) -> Self {
+        unreachable!("dot16_bf16 needs AVX-512 BF16")
+    }
 }
 
 /// tanh from exp: 1 - 2 / (e^{2x} + 1), saturating for large |x|.
@@ -243,9 +250,27 @@ mod avx {
     use super::{Simd, W};
     use std::arch::x86_64::*;
 
-    /// The AVX-512 instance (needs avx512f/bw/dq/vl; checked in `lib.rs`).
+    /// The AVX-512 instance (needs avx512f/bw/dq/vl; checked in `lib.rs`); `BF`: the CPU has
+    /// AVX-512 BF16 too, and the caller was compiled with it (bf16 K rows dotted without
+    /// widening).
     #[derive(Clone, Copy)]
-    pub struct Avx512(pub __m512);
+    pub struct Avx512<const BF: bool>(pub __m512);
+
+    /// Sum each of 16 vectors into one lane: four levels of 128-bit / 32-bit / 64-bit shuffles
+    /// and adds (45 instructions for 16 sums). Output lane `4q + e` holds the sum of input `4e + q`.
+    #[inline(always)]
+    unsafe fn reduce16(v: &[__m512; W]) -> __m512 {
+        let a: [__m512; 8] = std::array::from_fn(|i| {
+            _mm512_add_ps(shuf::<0x44>(v[2 * i], v[2 * i + 1]), shuf::<0xee>(v[2 * i], v[2 * i + 1]))
+        });
+        let b: [__m512; 4] = std::array::from_fn(|i| {
+            _mm512_add_ps(shuf::<0x88>(a[2 * i], a[2 * i + 1]), shuf::<0xdd>(a[2 * i], a[2 * i + 1]))
+        });
+        let c: [__m512; 2] = std::array::from_fn(|i| {
+            _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]))
+        });
+        _mm512_add_ps(lo_pd(c[0], c[1]), hi_pd(c[0], c[1]))
+    }
 
     #[inline(always)]
     unsafe fn shuf<const IMM: i32>(a: __m512, b: __m512) -> __m512 {
@@ -260,7 +285,23 @@ mod avx {
         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)))
     }
 
-    impl Simd for Avx512 {
+    impl<const BF: bool> Simd for Avx512<BF> {
+        const DPBF16: bool = BF;
+        #[inline(always)]
+        unsafe fn dot16_bf16(q: *const u16, k: &[*const u8; W], d: usize) -> Self {
+            let mut acc = [_mm512_setzero_ps(); W];
+            for (slot, a) in acc.iter_mut().enumerate() {
+                let kp = k[(slot % 4) * 4 + slot / 4] as *const u16; // reduce16's lane order
+                let mut c = 0;
+                while c < d {
+                    let qv: __m512bh = std::mem::transmute(_mm512_loadu_si512(q.add(c) as *const _));
+                    let kv: __m512bh = std::mem::transmute(_mm512_loadu_si512(kp.add(c) as *const _));
+                    *a = _mm512_dpbf16_ps(*a, qv, kv);
+                    c += 32;
+                }
+            }
+            Avx512(reduce16(&acc))
+        }
         #[inline(always)]
         unsafe fn splat(x: f32) -> Self {
             Avx512(_mm512_set1_ps(x))
@@ -407,12 +448,36 @@ mod tests {
     }
 
     #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn bf16_dot_products_match_scalar() {
+        if !crate::has_avx512() || !std::is_x86_feature_detected!("avx512bf16") {
+            return;
+        }
+        unsafe { bf16_dot_inner() }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
+    unsafe fn bf16_dot_inner() {
+        let d = 64;
+        let vals: Vec<u16> = (0..17 * d).map(|i| f32_to_bf16(((i * 7919) % 97) as f32 / 13.0 - 3.0)).collect();
+        let q = &vals[16 * d..];
+        let k: [*const u8; W] = std::array::from_fn(|j| vals[j * d..].as_ptr() as *const u8);
+        let mut out = [0f32; W];
+        Avx512::<true>::dot16_bf16(q.as_ptr(), &k, d).store(out.as_mut_ptr());
+        for j in 0..W {
+            let want: f32 = (0..d).map(|e| bf16_to_f32(q[e]) * bf16_to_f32(vals[j * d + e])).sum();
+            assert!((out[j] - want).abs() < 1e-3 * want.abs().max(1.0), "{j}: {} {want}", out[j]);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma")]
     unsafe fn avx512_matches_portable_inner() {
         let data: Vec<f32> = (0..256).map(|i| (i as f32 * 0.37).sin() * 30.0).collect();
-        let mut a: [Avx512; W] = std::array::from_fn(|i| Avx512::load(data.as_ptr().add(i * W)));
+        let mut a: [Avx512<false>; W] = std::array::from_fn(|i| Avx512::load(data.as_ptr().add(i * W)));
         let mut p: [Portable; W] = std::array::from_fn(|i| Portable::load(data.as_ptr().add(i * W)));
-        Avx512::transpose(&mut a);
+        Avx512::<false>::transpose(&mut a);
         Portable::transpose(&mut p);
         let mut out = [0f32; W];
         for i in 0..W {
@@ -420,7 +485,7 @@ mod tests {
             assert_eq!(out, p[i].0, "row {i}");
         }
         for i in 0..W {
-            let x = Avx512::load(data.as_ptr().add(i * W)).exp();
+            let x = Avx512::<false>::load(data.as_ptr().add(i * W)).exp();
             x.store(out.as_mut_ptr());
             for j in 0..W {
                 let want = data[i * W + j].exp();
@@ -429,27 +494,27 @@ mod tests {
         }
         let bytes: Vec<u8> = (0..=255u8).collect();
         for chunk in bytes.chunks(W) {
-            Avx512::load_e4m3(chunk.as_ptr()).store(out.as_mut_ptr());
+            Avx512::<false>::load_e4m3(chunk.as_ptr()).store(out.as_mut_ptr());
             for (j, &b) in chunk.iter().enumerate() {
                 if b & 0x7f != 0x7f {
                     assert_eq!(out[j], e4m3_to_f32(b), "{b:#x}");
                 }
             }
-            Avx512::load_e5m2(chunk.as_ptr()).store(out.as_mut_ptr());
+            Avx512::<false>::load_e5m2(chunk.as_ptr()).store(out.as_mut_ptr());
             for (j, &b) in chunk.iter().enumerate() {
                 let want = e5m2_to_f32(b);
                 assert!(out[j] == want || (want.is_nan() && out[j].is_nan()), "{b:#x}");
             }
-            Avx512::load_i8(chunk.as_ptr() as *const i8).store(out.as_mut_ptr());
+            Avx512::<false>::load_i8(chunk.as_ptr() as *const i8).store(out.as_mut_ptr());
             assert_eq!(out[3], chunk[3] as i8 as f32);
         }
         let halves: Vec<u16> = (0..W as u16).map(|i| i * 4099).collect();
-        Avx512::load_f16(halves.as_ptr()).store(out.as_mut_ptr());
+        Avx512::<false>::load_f16(halves.as_ptr()).store(out.as_mut_ptr());
         for j in 0..W {
             let want = f16_to_f32(halves[j]);
             assert!(out[j] == want || (want.is_nan() && out[j].is_nan()));
         }
-        Avx512::load_bf16(halves.as_ptr()).store(out.as_mut_ptr());
+        Avx512::<false>::load_bf16(halves.as_ptr()).store(out.as_mut_ptr());
         for j in 0..W {
             let want = bf16_to_f32(halves[j]);
             assert!(out[j] == want || (want.is_nan() && out[j].is_nan()));
