@@ -112,7 +112,7 @@ unsafe impl Send for Call {}
 
 /// Floats of scratch one thread needs for items of up to `rows` rows (all heads).
 pub fn scratch_len(rows: usize, d: usize) -> usize {
-    2 * rows * d + 2 * rows + 2 * W * d + rows * W + 2 * W + d + rows * d / 2 + W
+    2 * rows * d + 2 * rows + 2 * W * d + rows * W + 2 * W + d + rows * d / 2 + W * d / 2 + W
 
 }
 
@@ -301,8 +301,12 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, heads: (usiz
     let (vscale, rest) = rest.split_at_mut(W);
     let (zero, rest) = rest.split_at_mut(d);
     zero.fill(0.0);
-    let dpbf16 = S::DPBF16 && F == 1 && d % 32 == 0; // bf16 K rows dotted with raw bf16 q
-    let qb = rest.as_mut_ptr() as *mut u16; // [rows, d] bf16 query rows (dpbf16 only)
+    // bf16 queries dot bf16 K rows without widening (AVX-512 BF16): bf16 caches in place,
+    // int8 / fp8 tiles after an exact conversion to bf16 (`kb`).
+    let dpbf16 = S::DPBF16 && d % 32 == 0 && (F == 1 || (F >= 3 && c.dt == Dt::Bf16));
+    let (qb_f, rest) = rest.split_at_mut(rows * d / 2);
+    let qb = qb_f.as_mut_ptr() as *mut u16; // [rows, d] bf16 query rows (dpbf16 only)
+    let kb = rest.as_mut_ptr() as *mut u16; // [W, d] a converted K tile (dpbf16, F >= 3)
     let zero_row = zero.as_ptr() as *const u8; // zero in every format
 
     let seq_len = *c.seq_lens.add(req);
@@ -426,9 +430,22 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, heads: (usiz
             let (qh, acch) = (q.as_ptr().add(hq0 * d), acc.as_mut_ptr().add(hq0 * d));
             // Scores of the visible rows.
             if dpbf16 {
-                let qs = S::splat(c.scale);
+                let mut krows = kptr;
+                if F >= 3 {
+                    for (j, kr) in krows.iter_mut().enumerate() {
+                        let dst = kb.add(j * d);
+                        let mut cc = 0;
+                        while cc < d {
+                            let lo = load_row::<S, F>(kptr[j], cc);
+                            S::store_bf16x2(lo, load_row::<S, F>(kptr[j], cc + W), dst.add(cc));
+                            cc += 2 * W;
+                        }
+                        *kr = dst as *const u8;
+                    }
+                }
+                let qs = S::splat(c.scale * kscale_of(hh));
                 for r in r_lo..r_hi {
-                    S::dot16_bf16(qb.add((hq0 + r) * d), &kptr, d).mul(qs).store(p.as_mut_ptr().add(r * W));
+                    S::dot16_bf16(qb.add((hq0 + r) * d), &krows, d).mul(qs).store(p.as_mut_ptr().add(r * W));
                 }
             } else {
                 // K tile, transposed: kt[dd * W + j] = K[j][dd]

@@ -49,8 +49,8 @@ unsafe fn item_avx512<const F: u8>(c: &Call, item: usize, heads: (usize, usize),
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,f16c,fma")]
-unsafe fn item_avx512_bf16(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
-    run_item::<simd::Avx512<true>, 1>(c, item, heads, s)
+unsafe fn item_avx512_bf16<const F: u8>(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
+    run_item::<simd::Avx512<true>, F>(c, item, heads, s)
 }
 
 /// Whether bf16 caches take the AVX-512 BF16 dot-product path (`KVCORE_NATIVE_NO_DPBF16` unset).
@@ -83,8 +83,14 @@ fn item_fn(fmt: attend::Fmt, avx512: bool) -> ItemFn {
     }
     #[cfg(target_arch = "x86_64")]
     if avx512 {
-        if fmt == attend::Fmt::Bf16 && use_dpbf16() {
-            return item_avx512_bf16;
+        if use_dpbf16() {
+            match fmt {
+                attend::Fmt::Bf16 => return item_avx512_bf16::<1>,
+                attend::Fmt::I8 => return item_avx512_bf16::<3>,
+                attend::Fmt::E4m3 => return item_avx512_bf16::<4>,
+                attend::Fmt::E5m2 => return item_avx512_bf16::<5>,
+                _ => {}
+            }
         }
         return pick!(item_avx512);
     }

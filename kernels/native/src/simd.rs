@@ -39,6 +39,11 @@ pub trait Simd: Copy {
     unsafe fn dot16_bf16(_q: *const u16, _k: &[*const u8; W], _d: usize) -> Self {
         unreachable!("dot16_bf16 needs AVX-512 BF16")
     }
+    /// Store `lo` then `hi` as 32 bf16 (round to nearest even; exact for int8 / fp8 values).
+    #[inline(always)]
+    unsafe fn store_bf16x2(_lo: Self, _hi: Self, _p: *mut u16) {
+        unreachable!("store_bf16x2 needs AVX-512 BF16")
+    }
 }
 
 /// tanh from exp: 1 - 2 / (e^{2x} + 1), saturating for large |x|.
@@ -287,6 +292,11 @@ mod avx {
 
     impl<const BF: bool> Simd for Avx512<BF> {
         const DPBF16: bool = BF;
+        #[inline(always)]
+        unsafe fn store_bf16x2(lo: Self, hi: Self, p: *mut u16) {
+            let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi.0, lo.0));
+            _mm512_storeu_si512(p as *mut _, packed)
+        }
         #[inline(always)]
         unsafe fn dot16_bf16(q: *const u16, k: &[*const u8; W], d: usize) -> Self {
             let mut acc = [_mm512_setzero_ps(); W];
