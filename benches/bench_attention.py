@@ -129,8 +129,12 @@ def bench_cpu(args: argparse.Namespace) -> None:
             "twin": twin,
             "sdpa_gqa": sdpa_gqa,
             "sdpa_expanded": sdpa_expanded,
-            "twin_ragged": lambda: kk.paged_attention(rq, cache, rmeta, scale=scale, backend="torch"),
-            "twin_mixed": lambda: kk.paged_attention(mq, cache, mmeta, scale=scale, backend="torch"),
+            "twin_ragged": lambda: kk.paged_attention(
+                rq, cache, rmeta, scale=scale, backend="torch"
+            ),
+            "twin_mixed": lambda: kk.paged_attention(
+                mq, cache, mmeta, scale=scale, backend="torch"
+            ),
             "kernel": kernel,
             "copy": copy,
         },

@@ -46,7 +46,8 @@ def paged_attention(
     Returns ``out`` (allocated if None), same shape and dtype as ``query``. GQA/MQA follow from
     the head counts. ``backend``: "auto" (Triton on CUDA; on the CPU the native kernel,
     ``attention_cpu``, where it serves the call, else the torch twin), "triton", "torch", "cpu"
-    (the native kernel, the twin for what it does not serve: ``attention_cpu.supports``). Raises ``KernelConfigError`` for inputs or feature combinations it does not support.
+    (the native kernel, the twin for what it does not serve: ``attention_cpu.supports``).
+    Raises ``KernelConfigError`` for inputs or feature combinations it does not support.
     A ``kvcore_kernels.quant.QuantKVCache`` is dequantized as it is loaded
     (``paged_attention_quant``, same contract).
     """

@@ -38,9 +38,9 @@ def path(request, monkeypatch):
 @st.composite
 def batches(draw):
     reqs = draw(
-        st.lists(
-            st.tuples(st.integers(0, 300), st.integers(0, 40)), min_size=1, max_size=6
-        ).filter(lambda rs: any(q > 0 for _, q in rs))
+        st.lists(st.tuples(st.integers(0, 300), st.integers(0, 40)), min_size=1, max_size=6).filter(
+            lambda rs: any(q > 0 for _, q in rs)
+        )
     )
     reqs = [(c, q) if c + q > 0 else (0, 1) for c, q in reqs]
     hq, hk = draw(st.sampled_from(HEADS))
@@ -76,7 +76,9 @@ def _compare(native, twin, dtype):
     assert err <= TOL[dtype], f"max error {err} > {TOL[dtype]}"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(draw=batches())
 def test_plain_cache_matches_twin(draw, path, monkeypatch):
     monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", draw["split_keys"])
@@ -95,7 +97,9 @@ def test_plain_cache_matches_twin(draw, path, monkeypatch):
     _compare(native, twin, draw["dtype"])
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(draw=batches(), fmt=st.sampled_from(QUANT))
 def test_quantized_cache_matches_twin(draw, fmt, path, monkeypatch):
     monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", draw["split_keys"])
@@ -165,7 +169,9 @@ def test_auto_picks_the_native_kernel_on_cpu_and_the_twin_for_block_mass(gen, mo
     meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 8)
     calls = []
     real = attention_cpu.paged_attention_cpu
-    monkeypatch.setattr(attention_cpu, "paged_attention_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        attention_cpu, "paged_attention_cpu", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     kk.paged_attention(b.query, b.kv_cache, meta, scale=0.3)
     assert calls == [1]
     mass = torch.zeros(meta.block_table.shape, dtype=torch.float32)

@@ -113,7 +113,6 @@ unsafe impl Send for Call {}
 /// Floats of scratch one thread needs for items of up to `rows` rows (all heads).
 pub fn scratch_len(rows: usize, d: usize) -> usize {
     2 * rows * d + 2 * rows + 2 * W * d + rows * W + 2 * W + d + rows * d / 2 + W * d / 2 + W
-
 }
 
 #[inline(always)]
@@ -192,7 +191,13 @@ unsafe fn qk_rows<S: Simd, const NR: usize>(q: *const f32, d: usize, kt: *const 
 /// `acc[x][:] += sum_j p[x][j] * vt[j][:]` for `NR` rows, 32 columns at a time (16 for an odd
 /// last chunk).
 #[inline(always)]
-unsafe fn pv_rows<S: Simd, const NR: usize>(acc: *mut f32, p: *const f32, d: usize, vt: *const f32, nk: usize) {
+unsafe fn pv_rows<S: Simd, const NR: usize>(
+    acc: *mut f32,
+    p: *const f32,
+    d: usize,
+    vt: *const f32,
+    nk: usize,
+) {
     let mut cc = 0;
     if (d / W) % 2 == 1 {
         let mut a = [S::splat(0.0); NR];
@@ -279,7 +284,12 @@ unsafe fn pv_direct<S: Simd, const F: u8, const NR: usize>(
 /// the item streams through its blocks once (a token's heads are adjacent in the cache).
 /// `scratch` holds `scratch_len(rows, d)` floats, `rows` = the item's query rows of those heads.
 #[inline(always)]
-pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, heads: (usize, usize), scratch: &mut [f32]) {
+pub unsafe fn run_item<S: Simd, const F: u8>(
+    c: &Call,
+    item: usize,
+    heads: (usize, usize),
+    scratch: &mut [f32],
+) {
     let w = std::slice::from_raw_parts(c.work.add(6 * item), 6);
     let (req, tok0, ntok) = (w[0] as usize, w[1] as usize, w[2] as usize);
     let (key_lo, key_hi, part) = (w[3], w[4], w[5]);
@@ -312,7 +322,13 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, heads: (usiz
     let seq_len = *c.seq_lens.add(req);
     let q_len = *c.qsl.add(req + 1) - *c.qsl.add(req);
     let first_pos = seq_len - q_len + (tok0 as i64 - *c.qsl.add(req));
-    let kscale_of = |hh: usize| if c.fp8_scale.is_null() { 1.0 } else { *c.fp8_scale.add(hh) };
+    let kscale_of = |hh: usize| {
+        if c.fp8_scale.is_null() {
+            1.0
+        } else {
+            *c.fp8_scale.add(hh)
+        }
+    };
     for hh in h0..h1 {
         let qscale = c.scale * kscale_of(hh);
         for i in 0..ntok {
@@ -353,7 +369,8 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, heads: (usiz
         while pf_key < pf_end {
             let blk = *table.add(pf_blk);
             if blk != 0 || !c.released {
-                let r = c.kv.add(blk as usize * c.stride_block + pf_t * c.stride_tok);
+                let r =
+                    c.kv.add(blk as usize * c.stride_block + pf_t * c.stride_tok);
                 for hh in h0..h1 {
                     prefetch_row(r.add(hh * c.stride_head), row_bytes);
                     prefetch_row(r.add(hh * c.stride_head + c.v_offset), row_bytes);
@@ -388,8 +405,16 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, heads: (usiz
         for i in 0..ntok {
             let qpos = first_pos + i as i64;
             let hi = (qpos - k0 + 1).clamp(0, W as i64) as u32; // lanes < hi: key <= qpos
-            let lo = if c.window > 0 { (qpos - c.window + 1 - k0).clamp(0, W as i64) as u32 } else { 0 };
-            let range = if hi > lo { (((1u32 << hi) - 1) & !((1u32 << lo) - 1)) as u16 } else { 0 };
+            let lo = if c.window > 0 {
+                (qpos - c.window + 1 - k0).clamp(0, W as i64) as u32
+            } else {
+                0
+            };
+            let range = if hi > lo {
+                (((1u32 << hi) - 1) & !((1u32 << lo) - 1)) as u16
+            } else {
+                0
+            };
             let mk = range & tile_mask;
             masks[i] = mk;
             if mk != 0 {
@@ -413,8 +438,16 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, heads: (usiz
             let head = c.kv.add(hh * c.stride_head);
             for j in 0..W {
                 let real = tile_mask >> j & 1 != 0;
-                kptr[j] = if real { head.add(base[j] + tok[j] * c.stride_tok) } else { zero_row };
-                vptr[j] = if real { kptr[j].add(c.v_offset) } else { zero_row };
+                kptr[j] = if real {
+                    head.add(base[j] + tok[j] * c.stride_tok)
+                } else {
+                    zero_row
+                };
+                vptr[j] = if real {
+                    kptr[j].add(c.v_offset)
+                } else {
+                    zero_row
+                };
                 if int8 {
                     let (mut ks, mut vs) = (0.0, 0.0);
                     if real {
@@ -445,12 +478,15 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, heads: (usiz
                 }
                 let qs = S::splat(c.scale * kscale_of(hh));
                 for r in r_lo..r_hi {
-                    S::dot16_bf16(qb.add((hq0 + r) * d), &krows, d).mul(qs).store(p.as_mut_ptr().add(r * W));
+                    S::dot16_bf16(qb.add((hq0 + r) * d), &krows, d)
+                        .mul(qs)
+                        .store(p.as_mut_ptr().add(r * W));
                 }
             } else {
                 // K tile, transposed: kt[dd * W + j] = K[j][dd]
                 for cc in 0..nc {
-                    let mut tile: [S; W] = std::array::from_fn(|j| load_row::<S, F>(kptr[j], cc * W));
+                    let mut tile: [S; W] =
+                        std::array::from_fn(|j| load_row::<S, F>(kptr[j], cc * W));
                     S::transpose(&mut tile);
                     for (i, v) in tile.iter().enumerate() {
                         v.store(kt.as_mut_ptr().add((cc * W + i) * W));
@@ -493,7 +529,11 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, heads: (usiz
                 s = s.select(mk, S::splat(f32::NEG_INFINITY));
                 let (mr, lr) = (&mut m[hq0 + r], &mut l[hq0 + r]);
                 let m_new = mr.max(s.hmax());
-                let alpha = if *mr == f32::NEG_INFINITY { 0.0 } else { (*mr - m_new).exp() };
+                let alpha = if *mr == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (*mr - m_new).exp()
+                };
                 let e = s.add(S::splat(-m_new)).exp().select(mk, S::splat(0.0));
                 *lr = *lr * alpha + e.hsum();
                 *mr = m_new;
@@ -549,12 +589,19 @@ pub unsafe fn run_item<S: Simd, const F: u8>(c: &Call, item: usize, heads: (usiz
         return;
     }
     for hh in h0..h1 {
-        let vs = if c.fp8_scale.is_null() { 1.0 } else { *c.fp8_scale.add(hk + hh) };
+        let vs = if c.fp8_scale.is_null() {
+            1.0
+        } else {
+            *c.fp8_scale.add(hk + hh)
+        };
         for i in 0..ntok {
             for gg in 0..g {
                 let r = (hh - h0) * hrows + i * g + gg;
                 let inv = if l[r] > 0.0 { vs / l[r] } else { 0.0 };
-                let dst = c.out.add(((tok0 + i) * c.out_stride_tok + (hh * g + gg) * c.out_stride_head) * c.dt.size());
+                let dst = c.out.add(
+                    ((tok0 + i) * c.out_stride_tok + (hh * g + gg) * c.out_stride_head)
+                        * c.dt.size(),
+                );
                 for e in 0..d {
                     c.dt.write(dst, e, acc[r * d + e] * inv);
                 }
@@ -571,9 +618,16 @@ pub unsafe fn merge(c: &Call, grp: usize, h: usize) {
     let g = c.num_q_heads / c.num_kv_heads;
     let rows = ntok * g;
     let block = c.num_kv_heads * rows * (d + 2);
-    let vs = if c.fp8_scale.is_null() { 1.0 } else { *c.fp8_scale.add(c.num_kv_heads + h) };
+    let vs = if c.fp8_scale.is_null() {
+        1.0
+    } else {
+        *c.fp8_scale.add(c.num_kv_heads + h)
+    };
     for r in 0..rows {
-        let at = |s: usize| c.partial.add(part + s * block + h * rows * (d + 2) + r * (d + 2));
+        let at = |s: usize| {
+            c.partial
+                .add(part + s * block + h * rows * (d + 2) + r * (d + 2))
+        };
         let mut m = f32::NEG_INFINITY;
         for s in 0..nsplit {
             m = m.max(*at(s).add(d));
@@ -582,12 +636,18 @@ pub unsafe fn merge(c: &Call, grp: usize, h: usize) {
         let mut wts = [0f32; 256];
         for (s, wt) in wts.iter_mut().enumerate().take(nsplit) {
             let ms = *at(s).add(d);
-            *wt = if ms == f32::NEG_INFINITY { 0.0 } else { (ms - m).exp() };
+            *wt = if ms == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (ms - m).exp()
+            };
             l += *wt * *at(s).add(d + 1);
         }
         let inv = if l > 0.0 { vs / l } else { 0.0 };
         let (i, gg) = (r / g, r % g);
-        let dst = c.out.add(((tok0 + i) * c.out_stride_tok + (h * g + gg) * c.out_stride_head) * c.dt.size());
+        let dst = c
+            .out
+            .add(((tok0 + i) * c.out_stride_tok + (h * g + gg) * c.out_stride_head) * c.dt.size());
         for e in 0..d {
             let mut o = 0.0f32;
             for (s, wt) in wts.iter().enumerate().take(nsplit) {

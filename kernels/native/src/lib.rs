@@ -7,6 +7,15 @@
 //! * `simd`: the 16-lane vector type, AVX-512 or portable, chosen at run time here.
 //! * `pool`: torch's OpenMP team, a rayon pool or the calling thread.
 
+// Index loops over fixed 16-lane arrays read clearer than iterator chains here; the unsafe
+// functions' contract (live memory of the stated shapes) is stated once, on `run`.
+#![allow(
+    clippy::needless_range_loop,
+    clippy::missing_safety_doc,
+    clippy::too_many_arguments
+)]
+#![allow(clippy::result_unit_err, clippy::manual_is_multiple_of)]
+
 pub mod attend;
 pub mod pool;
 pub mod simd;
@@ -49,7 +58,12 @@ unsafe fn item_avx512<const F: u8>(c: &Call, item: usize, heads: (usize, usize),
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,f16c,fma")]
-unsafe fn item_avx512_bf16<const F: u8>(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
+unsafe fn item_avx512_bf16<const F: u8>(
+    c: &Call,
+    item: usize,
+    heads: (usize, usize),
+    s: &mut [f32],
+) {
     run_item::<simd::Avx512<true>, F>(c, item, heads, s)
 }
 
@@ -59,7 +73,8 @@ pub fn use_dpbf16() -> bool {
     {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *ON.get_or_init(|| {
-            is_x86_feature_detected!("avx512bf16") && std::env::var_os("KVCORE_NATIVE_NO_DPBF16").is_none()
+            is_x86_feature_detected!("avx512bf16")
+                && std::env::var_os("KVCORE_NATIVE_NO_DPBF16").is_none()
         })
     }
     #[cfg(not(target_arch = "x86_64"))]

@@ -67,7 +67,10 @@ extern "C" fn omp_body(data: *mut c_void) {
 
 fn rayon_pool(threads: usize) -> Arc<rayon::ThreadPool> {
     static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();
-    let mut pools = POOLS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let mut pools = POOLS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     pools
         .entry(threads)
         .or_insert_with(|| {
@@ -83,9 +86,19 @@ fn rayon_pool(threads: usize) -> Arc<rayon::ThreadPool> {
 }
 
 /// Run `f(0) .. f(n - 1)` on up to `threads` threads; `Err` if a task panicked.
-pub fn for_each(n: usize, threads: usize, mode: Mode, f: &(dyn Fn(usize) + Sync)) -> Result<(), ()> {
+pub fn for_each(
+    n: usize,
+    threads: usize,
+    mode: Mode,
+    f: &(dyn Fn(usize) + Sync),
+) -> Result<(), ()> {
     let threads = threads.clamp(1, n.max(1));
-    let region = Region { next: AtomicUsize::new(0), n, panicked: AtomicBool::new(false), f };
+    let region = Region {
+        next: AtomicUsize::new(0),
+        n,
+        panicked: AtomicBool::new(false),
+        f,
+    };
     let gomp = GOMP_PARALLEL.load(Ordering::Acquire);
     match mode {
         _ if threads == 1 || n <= 1 => region.drain(),
@@ -94,7 +107,14 @@ pub fn for_each(n: usize, threads: usize, mode: Mode, f: &(dyn Fn(usize) + Sync)
             // SAFETY: the address is libgomp's GOMP_parallel (set by the Python wrapper), whose
             // C signature is (fn(void*), void*, unsigned num_threads, unsigned flags).
             let call: GompParallel = unsafe { std::mem::transmute::<usize, GompParallel>(gomp) };
-            unsafe { call(omp_body, &region as *const Region as *mut c_void, threads as u32, 0) };
+            unsafe {
+                call(
+                    omp_body,
+                    &region as *const Region as *mut c_void,
+                    threads as u32,
+                    0,
+                )
+            };
         }
         Mode::Omp | Mode::Rayon => {
             let pool = rayon_pool(threads);
@@ -120,7 +140,10 @@ mod tests {
                 hits[i].fetch_add(1, Ordering::Relaxed);
             })
             .unwrap();
-            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "{mode:?}");
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "{mode:?}"
+            );
         }
     }
 

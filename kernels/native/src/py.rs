@@ -20,15 +20,44 @@ use pyo3::prelude::*;
 #[allow(clippy::too_many_arguments)]
 fn paged_attention(
     py: Python<'_>,
-    q: usize, q_stride_tok: usize, q_stride_head: usize,
-    out: usize, out_stride_tok: usize, out_stride_head: usize, dtype: u8,
-    kv: usize, fmt: u8, stride_block: usize, stride_tok: usize, stride_head: usize,
-    v_offset: usize, scale_offset: usize,
-    num_q_heads: usize, num_kv_heads: usize, head_dim: usize, block_size: usize,
-    qsl: usize, seq_lens: usize, table: usize, table_stride: usize,
-    scale: f32, window: i64, soft_cap: f32, alibi: usize, fp8_scale: usize, released: bool,
-    work: usize, num_items: usize, merges: usize, num_merges: usize, partial: usize,
-    max_rows: usize, threads: usize, mode: u8, portable: bool, fuse_heads: bool,
+    q: usize,
+    q_stride_tok: usize,
+    q_stride_head: usize,
+    out: usize,
+    out_stride_tok: usize,
+    out_stride_head: usize,
+    dtype: u8,
+    kv: usize,
+    fmt: u8,
+    stride_block: usize,
+    stride_tok: usize,
+    stride_head: usize,
+    v_offset: usize,
+    scale_offset: usize,
+    num_q_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    qsl: usize,
+    seq_lens: usize,
+    table: usize,
+    table_stride: usize,
+    scale: f32,
+    window: i64,
+    soft_cap: f32,
+    alibi: usize,
+    fp8_scale: usize,
+    released: bool,
+    work: usize,
+    num_items: usize,
+    merges: usize,
+    num_merges: usize,
+    partial: usize,
+    max_rows: usize,
+    threads: usize,
+    mode: u8,
+    portable: bool,
+    fuse_heads: bool,
 ) -> PyResult<()> {
     let dt = match dtype {
         0 => Dt::F32,
@@ -51,25 +80,57 @@ fn paged_attention(
         2 => Mode::Rayon,
         _ => return Err(PyValueError::new_err(format!("unknown thread mode {mode}"))),
     };
-    if head_dim % crate::simd::W != 0 || head_dim == 0 || num_kv_heads == 0 || num_q_heads % num_kv_heads != 0 {
-        return Err(PyValueError::new_err("head_dim must be a multiple of 16, heads a multiple of KV heads"));
+    if head_dim % crate::simd::W != 0
+        || head_dim == 0
+        || num_kv_heads == 0
+        || num_q_heads % num_kv_heads != 0
+    {
+        return Err(PyValueError::new_err(
+            "head_dim must be a multiple of 16, heads a multiple of KV heads",
+        ));
     }
     if max_rows > 256 * num_q_heads {
-        return Err(PyValueError::new_err("an item holds at most 256 query tokens"));
+        return Err(PyValueError::new_err(
+            "an item holds at most 256 query tokens",
+        ));
     }
     let c = Call {
-        q: q as *const u8, q_stride_tok, q_stride_head,
-        out: out as *mut u8, out_stride_tok, out_stride_head, dt,
-        kv: kv as *const u8, fmt, stride_block, stride_tok, stride_head, v_offset, scale_offset,
-        num_q_heads, num_kv_heads, head_dim, block_size,
-        qsl: qsl as *const i64, seq_lens: seq_lens as *const i64,
-        table: table as *const i64, table_stride,
-        scale, window, soft_cap, alibi: alibi as *const f32, fp8_scale: fp8_scale as *const f32,
-        released, work: work as *const i64, merges: merges as *const i64,
+        q: q as *const u8,
+        q_stride_tok,
+        q_stride_head,
+        out: out as *mut u8,
+        out_stride_tok,
+        out_stride_head,
+        dt,
+        kv: kv as *const u8,
+        fmt,
+        stride_block,
+        stride_tok,
+        stride_head,
+        v_offset,
+        scale_offset,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        qsl: qsl as *const i64,
+        seq_lens: seq_lens as *const i64,
+        table: table as *const i64,
+        table_stride,
+        scale,
+        window,
+        soft_cap,
+        alibi: alibi as *const f32,
+        fp8_scale: fp8_scale as *const f32,
+        released,
+        work: work as *const i64,
+        merges: merges as *const i64,
         partial: partial as *mut f32,
     };
     let res = py.detach(|| unsafe {
-        crate::run(&c, num_items, num_merges, max_rows, threads, mode, portable, fuse_heads)
+        crate::run(
+            &c, num_items, num_merges, max_rows, threads, mode, portable, fuse_heads,
+        )
     });
     res.map_err(|_| PyRuntimeError::new_err("native paged attention panicked"))
 }

@@ -53,7 +53,11 @@ pub unsafe fn tanh<S: Simd>(x: S) -> S {
     let e = x.add(x).exp();
     e.store(buf.as_mut_ptr());
     for v in buf.iter_mut() {
-        *v = if v.is_infinite() { 1.0 } else { 1.0 - 2.0 / (*v + 1.0) };
+        *v = if v.is_infinite() {
+            1.0
+        } else {
+            1.0 - 2.0 / (*v + 1.0)
+        };
     }
     S::load(buf.as_ptr())
 }
@@ -87,7 +91,11 @@ pub fn f16_to_f32(h: u16) -> f32 {
         let v = man as f32 * f32::from_bits(0x3380_0000);
         return if sign != 0 { -v } else { v };
     }
-    let mag = if exp == 31 { 0x7f80_0000 | (man << 13) } else { ((exp + 112) << 23) | (man << 13) };
+    let mag = if exp == 31 {
+        0x7f80_0000 | (man << 13)
+    } else {
+        ((exp + 112) << 23) | (man << 13)
+    };
     f32::from_bits(sign | mag)
 }
 
@@ -266,13 +274,22 @@ mod avx {
     #[inline(always)]
     unsafe fn reduce16(v: &[__m512; W]) -> __m512 {
         let a: [__m512; 8] = std::array::from_fn(|i| {
-            _mm512_add_ps(shuf::<0x44>(v[2 * i], v[2 * i + 1]), shuf::<0xee>(v[2 * i], v[2 * i + 1]))
+            _mm512_add_ps(
+                shuf::<0x44>(v[2 * i], v[2 * i + 1]),
+                shuf::<0xee>(v[2 * i], v[2 * i + 1]),
+            )
         });
         let b: [__m512; 4] = std::array::from_fn(|i| {
-            _mm512_add_ps(shuf::<0x88>(a[2 * i], a[2 * i + 1]), shuf::<0xdd>(a[2 * i], a[2 * i + 1]))
+            _mm512_add_ps(
+                shuf::<0x88>(a[2 * i], a[2 * i + 1]),
+                shuf::<0xdd>(a[2 * i], a[2 * i + 1]),
+            )
         });
         let c: [__m512; 2] = std::array::from_fn(|i| {
-            _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]))
+            _mm512_add_ps(
+                _mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]),
+                _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]),
+            )
         });
         _mm512_add_ps(lo_pd(c[0], c[1]), hi_pd(c[0], c[1]))
     }
@@ -304,8 +321,10 @@ mod avx {
                 let kp = k[(slot % 4) * 4 + slot / 4] as *const u16; // reduce16's lane order
                 let mut c = 0;
                 while c < d {
-                    let qv: __m512bh = std::mem::transmute(_mm512_loadu_si512(q.add(c) as *const _));
-                    let kv: __m512bh = std::mem::transmute(_mm512_loadu_si512(kp.add(c) as *const _));
+                    let qv: __m512bh =
+                        std::mem::transmute(_mm512_loadu_si512(q.add(c) as *const _));
+                    let kv: __m512bh =
+                        std::mem::transmute(_mm512_loadu_si512(kp.add(c) as *const _));
                     *a = _mm512_dpbf16_ps(*a, qv, kv);
                     c += 32;
                 }
@@ -356,7 +375,15 @@ mod avx {
             let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x); // ln 2 high bits
             let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), f); // ln 2 - high
             let mut p = _mm512_set1_ps(1.0 / 5040.0);
-            for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            for c in [
+                1.0 / 720.0,
+                1.0 / 120.0,
+                1.0 / 24.0,
+                1.0 / 6.0,
+                0.5,
+                1.0,
+                1.0,
+            ] {
                 p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
             }
             Avx512(_mm512_scalef_ps(p, n))
@@ -398,7 +425,9 @@ mod avx {
         #[inline(always)]
         unsafe fn load_bf16(p: *const u16) -> Self {
             let h = _mm256_loadu_si256(p as *const __m256i);
-            Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h))))
+            Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+                _mm512_cvtepu16_epi32(h),
+            )))
         }
         #[inline(always)]
         unsafe fn load_f16(p: *const u16) -> Self {
@@ -414,8 +443,14 @@ mod avx {
             let x = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
             let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(x, _mm512_set1_epi32(0x80)));
             let mag = _mm512_slli_epi32::<20>(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)));
-            let v = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(f32::from_bits(0x7b80_0000)));
-            Avx512(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign)))
+            let v = _mm512_mul_ps(
+                _mm512_castsi512_ps(mag),
+                _mm512_set1_ps(f32::from_bits(0x7b80_0000)),
+            );
+            Avx512(_mm512_castsi512_ps(_mm512_or_si512(
+                _mm512_castps_si512(v),
+                sign,
+            )))
         }
         #[inline(always)]
         unsafe fn load_e5m2(p: *const u8) -> Self {
@@ -470,14 +505,22 @@ mod tests {
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
     unsafe fn bf16_dot_inner() {
         let d = 64;
-        let vals: Vec<u16> = (0..17 * d).map(|i| f32_to_bf16(((i * 7919) % 97) as f32 / 13.0 - 3.0)).collect();
+        let vals: Vec<u16> = (0..17 * d)
+            .map(|i| f32_to_bf16(((i * 7919) % 97) as f32 / 13.0 - 3.0))
+            .collect();
         let q = &vals[16 * d..];
         let k: [*const u8; W] = std::array::from_fn(|j| vals[j * d..].as_ptr() as *const u8);
         let mut out = [0f32; W];
         Avx512::<true>::dot16_bf16(q.as_ptr(), &k, d).store(out.as_mut_ptr());
         for j in 0..W {
-            let want: f32 = (0..d).map(|e| bf16_to_f32(q[e]) * bf16_to_f32(vals[j * d + e])).sum();
-            assert!((out[j] - want).abs() < 1e-3 * want.abs().max(1.0), "{j}: {} {want}", out[j]);
+            let want: f32 = (0..d)
+                .map(|e| bf16_to_f32(q[e]) * bf16_to_f32(vals[j * d + e]))
+                .sum();
+            assert!(
+                (out[j] - want).abs() < 1e-3 * want.abs().max(1.0),
+                "{j}: {} {want}",
+                out[j]
+            );
         }
     }
 
@@ -485,8 +528,10 @@ mod tests {
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma")]
     unsafe fn avx512_matches_portable_inner() {
         let data: Vec<f32> = (0..256).map(|i| (i as f32 * 0.37).sin() * 30.0).collect();
-        let mut a: [Avx512<false>; W] = std::array::from_fn(|i| Avx512::load(data.as_ptr().add(i * W)));
-        let mut p: [Portable; W] = std::array::from_fn(|i| Portable::load(data.as_ptr().add(i * W)));
+        let mut a: [Avx512<false>; W] =
+            std::array::from_fn(|i| Avx512::load(data.as_ptr().add(i * W)));
+        let mut p: [Portable; W] =
+            std::array::from_fn(|i| Portable::load(data.as_ptr().add(i * W)));
         Avx512::<false>::transpose(&mut a);
         Portable::transpose(&mut p);
         let mut out = [0f32; W];
@@ -499,7 +544,13 @@ mod tests {
             x.store(out.as_mut_ptr());
             for j in 0..W {
                 let want = data[i * W + j].exp();
-                assert!((out[j] - want).abs() <= 4e-7 * want.max(1e-30), "{} {} {}", data[i * W + j], out[j], want);
+                assert!(
+                    (out[j] - want).abs() <= 4e-7 * want.max(1e-30),
+                    "{} {} {}",
+                    data[i * W + j],
+                    out[j],
+                    want
+                );
             }
         }
         let bytes: Vec<u8> = (0..=255u8).collect();
@@ -513,7 +564,10 @@ mod tests {
             Avx512::<false>::load_e5m2(chunk.as_ptr()).store(out.as_mut_ptr());
             for (j, &b) in chunk.iter().enumerate() {
                 let want = e5m2_to_f32(b);
-                assert!(out[j] == want || (want.is_nan() && out[j].is_nan()), "{b:#x}");
+                assert!(
+                    out[j] == want || (want.is_nan() && out[j].is_nan()),
+                    "{b:#x}"
+                );
             }
             Avx512::<false>::load_i8(chunk.as_ptr() as *const i8).store(out.as_mut_ptr());
             assert_eq!(out[3], chunk[3] as i8 as f32);
