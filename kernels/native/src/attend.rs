@@ -529,7 +529,9 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 s = s.select(mk, S::splat(f32::NEG_INFINITY));
                 let (mr, lr) = (&mut m[hq0 + r], &mut l[hq0 + r]);
                 let m_new = mr.max(s.hmax());
-                let alpha = if *mr == f32::NEG_INFINITY {
+                let alpha = if *mr == m_new {
+                    1.0 // the max did not move: no exp, no rescale
+                } else if *mr == f32::NEG_INFINITY {
                     0.0
                 } else {
                     (*mr - m_new).exp()
