@@ -4,6 +4,11 @@
 head_dim 64, fp32 (SmolLM2's shape), against ``scaled_dot_product_attention`` on the same
 tokens laid out contiguously ([B, H, L, D], the best of GQA-native and pre-expanded K/V).
 Rounds interleave twin and peer; medians are reported, and minima (an idle machine's view).
+The native CPU kernel (backend "cpu") runs in the same rounds: ``cpu_kernel_ratio_vs_sdpa``
+(kernel over the same SDPA peer), ``cpu_kernel_pct_of_copy`` (a ``copy_`` of the K/V bytes it
+reads, in the same rounds). The issue-25 target: ``--dtype bf16 --batch 32 --seed S``.
+``--sweep`` (``bench_attention_cpu.py``): decode batch 1-64 x 512-16K, prefill 512-4K, int8 /
+fp8 against bf16; ``--quick`` shrinks it to a CI-sized run.
 
 ``--device cuda``: the bandwidth table of ``bench_attention_cuda.py`` (decode and prefill
 sweep, % of a device-to-device copy measured in the same run).
@@ -60,7 +65,7 @@ def paged_copy(
 
 
 def bench_cpu(args: argparse.Namespace) -> None:
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(args.seed)
     batch, hq, hk, d, length, bs = args.batch, 9, 3, 64, args.context, args.block_size
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     q = torch.randn(batch, hq, d, generator=gen).to(dtype)
@@ -84,6 +89,15 @@ def bench_cpu(args: argparse.Namespace) -> None:
     def sdpa_expanded():
         return F.scaled_dot_product_attention(q4, keys_x, values_x, scale=scale)
 
+    def kernel():
+        return kk.paged_attention(q, cache, meta, scale=scale, backend="cpu")
+
+    dst = torch.empty_like(keys), torch.empty_like(values)
+
+    def copy():  # the bytes the kernel reads, copied: the bandwidth yardstick
+        dst[0].copy_(keys)
+        dst[1].copy_(values)
+
     def step_overhead() -> float:
         """Per step, once: plan + the twin's chunk layout (first layer minus a later layer)."""
         t0 = time.perf_counter()
@@ -95,6 +109,8 @@ def bench_cpu(args: argparse.Namespace) -> None:
 
     err = (twin().float() - sdpa_gqa().view(batch, hq, d).float()).abs().max().item()
     assert err < (1e-4 if dtype == torch.float32 else 3e-2), f"twin disagrees with SDPA: {err}"
+    err = (kernel().float() - sdpa_gqa().view(batch, hq, d).float()).abs().max().item()
+    assert err < (1e-4 if dtype == torch.float32 else 3e-2), f"kernel disagrees with SDPA: {err}"
 
     # A ragged batch (lengths spread +-25% around the same mean) and a mixed step with a
     # 256-token prefill chunk: the twin on the shapes an engine step really has.
@@ -113,8 +129,14 @@ def bench_cpu(args: argparse.Namespace) -> None:
             "twin": twin,
             "sdpa_gqa": sdpa_gqa,
             "sdpa_expanded": sdpa_expanded,
-            "twin_ragged": lambda: kk.paged_attention(rq, cache, rmeta, scale=scale),
-            "twin_mixed": lambda: kk.paged_attention(mq, cache, mmeta, scale=scale),
+            "twin_ragged": lambda: kk.paged_attention(
+                rq, cache, rmeta, scale=scale, backend="torch"
+            ),
+            "twin_mixed": lambda: kk.paged_attention(
+                mq, cache, mmeta, scale=scale, backend="torch"
+            ),
+            "kernel": kernel,
+            "copy": copy,
         },
         args.rounds,
     )
@@ -142,6 +164,13 @@ def bench_cpu(args: argparse.Namespace) -> None:
     print(f"twin_ragged_ms: {ms['twin_ragged']:.3f} ms")
     print(f"twin_mixed_ms: {ms['twin_mixed']:.3f} ms  (plus one 256-token prefill chunk)")
     print(f"plan_ms: {ms['step_overhead']:.3f} ms  (once per step: plan + chunk layout)")
+    print(f"cpu_kernel_ms: {ms['kernel']:.3f} ms")
+    print(f"cpu_kernel_ratio_vs_sdpa: {ms['kernel'] / peer:.3f} x")
+    print(f"cpu_kernel_ratio_vs_sdpa_min: {best['kernel'] / peer_min:.3f} x")
+    print(f"cpu_kernel_ratio_vs_twin: {ms['kernel'] / ms['twin']:.3f} x")
+    print(f"cpu_kernel_bandwidth: {kv_bytes / ms['kernel'] / 1e6:.2f} GB/s")
+    print(f"copy_bandwidth: {kv_bytes / ms['copy'] / 1e6:.2f} GB/s")
+    print(f"cpu_kernel_pct_of_copy: {100 * ms['copy'] / ms['kernel']:.1f} %")
 
 
 def _table_for(lens: torch.Tensor, bs: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
@@ -167,15 +196,25 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--quick", action="store_true", help="cuda: a smaller sweep")
+    parser.add_argument("--quick", action="store_true", help="a smaller sweep (CI)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="cpu: torch threads (0: default)")
+    parser.add_argument("--sweep", action="store_true", help="cpu: the native kernel's sweep")
+    parser.add_argument("--budget", type=float, default=1.5, help="cpu sweep: seconds per row")
     parser.add_argument(
         "--dry-run", action="store_true", help="cuda: tiny shapes on the CPU (TRITON_INTERPRET=1)"
     )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "cuda":
         from bench_attention_cuda import sweep
 
         sweep(quick=args.quick, dry_run=args.dry_run)
+    elif args.sweep:
+        from bench_attention_cpu import sweep
+
+        sweep(quick=args.quick, dtype_name=args.dtype, seed=args.seed, budget_s=args.budget)
     else:
         bench_cpu(args)
 

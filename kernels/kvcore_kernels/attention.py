@@ -43,8 +43,10 @@ def paged_attention(
     """Attention of a step's packed queries ``[num_tokens, num_q_heads, head_dim]`` over the cache.
 
     Returns ``out`` (allocated if None), same shape and dtype as ``query``. GQA/MQA follow from
-    the head counts. ``backend``: "auto" (Triton on CUDA, the torch twin otherwise), "triton",
-    "torch". Raises ``KernelConfigError`` for inputs or feature combinations it does not support.
+    the head counts. ``backend``: "auto" (Triton on CUDA; on the CPU the native kernel,
+    ``attention_cpu``, where it serves the call, else the torch twin), "triton", "torch", "cpu"
+    (the native kernel, the twin for what it does not serve: ``attention_cpu.supports``).
+    Raises ``KernelConfigError`` for inputs or feature combinations it does not support.
     A ``kvcore_kernels.quant.QuantKVCache`` is dequantized as it is loaded
     (``paged_attention_quant``, same contract; ``block_mass`` on plain caches only). The
     backends take these keywords as ``**options`` (``checks.check_attention_call``).
@@ -58,8 +60,14 @@ def paged_attention(
         if isinstance(kv_cache, QuantKVCache):
             return paged_attention_quant(query, kv_cache, meta, backend=backend, **options)
     check_kv_cache(kv_cache)
-    if check_backend(backend, kv_cache.device) == "triton":
+    resolved = check_backend(backend, kv_cache.device)
+    if resolved == "triton":
         from kvcore_kernels.attention_triton import paged_attention_triton as run
     else:
+        from kvcore_kernels import attention_cpu
         from kvcore_kernels.attention_torch import paged_attention_torch as run
+
+        native = resolved == "cpu" or (backend == "auto" and kv_cache.device.type == "cpu")
+        if native and attention_cpu.supports(kv_cache, block_mass):
+            run = attention_cpu.paged_attention_cpu
     return run(query, kv_cache, meta, **options)

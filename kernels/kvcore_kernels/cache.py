@@ -66,11 +66,19 @@ def check_kv_cache(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def check_backend(backend: str, device: torch.device) -> str:
-    """Resolve ``backend`` ("auto", "triton" or "torch") for tensors on ``device``."""
+    """Resolve ``backend`` ("auto", "triton", "torch" or "cpu") for tensors on ``device``.
+
+    "auto" resolves to "triton" on CUDA, else "torch"; the attention dispatchers then prefer the
+    native CPU kernel over the twin on the CPU. "cpu" (the native kernel) names a CPU-only
+    backend; ops without a native kernel (the stores) run their twin for it."""
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
-    if backend not in ("triton", "torch"):
-        raise KernelConfigError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend not in ("triton", "torch", "cpu"):
+        raise KernelConfigError(
+            f"backend must be 'auto', 'triton', 'torch' or 'cpu', got {backend!r}"
+        )
+    if backend == "cpu" and device.type != "cpu":
+        raise KernelConfigError(f"backend='cpu' runs on the CPU, tensors are on {device}")
     if backend == "triton" and not triton_available():
         raise KernelConfigError("backend='triton' but triton is not installed")
     return backend

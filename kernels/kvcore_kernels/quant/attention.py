@@ -22,7 +22,9 @@ def paged_attention_quant(
     ``scale`` and the optional ``sliding_window``, ``soft_cap``, ``alibi_slopes``, ``out``;
     released blocks included; ``block_mass`` is for plain caches only). K/V are decoded as
     they are loaded, per tile (Triton) or per gathered chunk (torch twin), never for the whole
-    cache. ``backend``: "auto" (Triton on CUDA, the torch twin otherwise), "triton" or "torch".
+    cache. ``backend``: "auto" (Triton on CUDA; on the CPU the native kernel for int8 / fp8,
+    the torch twin otherwise), "triton", "torch" or "cpu" (native where it serves, else the
+    twin).
     Rotated caches get ``query @ R`` (scores unchanged) and, for rotated values, the output
     rotated back; the backends themselves work in the stored basis."""
     if not isinstance(cache, QuantKVCache):
@@ -33,10 +35,16 @@ def paged_attention_quant(
             "quantized ones"
         )
     options.pop("block_mass", None)
-    if check_backend(backend, cache.device) == "triton":
+    resolved = check_backend(backend, cache.device)
+    if resolved == "triton":
         from kvcore_kernels.quant.attention_triton import paged_attention_quant_triton as run
     else:
+        from kvcore_kernels.quant import attention_cpu
         from kvcore_kernels.quant.attention_torch import paged_attention_quant_torch as run
+
+        native = resolved == "cpu" or (backend == "auto" and cache.device.type == "cpu")
+        if native and attention_cpu.supports(cache):
+            run = attention_cpu.paged_attention_quant_cpu
     out = options.pop("out", None)
     rotated_v = "v" in cache.rotate
     result = run(

@@ -1,0 +1,235 @@
+"""The native CPU paged attention (Rust, ``kvcore_kernels._native``): loading, threads, work list.
+
+The kernel (``kernels/native/src``) reads K and V in place through the block table: no gather,
+no padding to zero. Its unit of work (one task) is an *item*: one request, a run of up to
+``ITEM_ROWS // group`` of its query tokens, and a key range, for every KV head in turn over each
+tile of 16 keys (a token's heads are adjacent in the cache, so an item streams through its blocks
+once), with all the query heads of a KV head as rows of one online softmax: each K/V row is read
+once per item.
+When a step has too few items to keep the threads busy (batch 1, long context), an item's key
+range is cut into splits whose partial results a second pass merges (flash-decoding)::
+
+    request r:  ctx = seq_len - q_len      queries at positions ctx .. seq_len-1
+    item:       tokens tok0 .. tok0+ntok-1 of r, keys [key_lo, key_hi)
+                key_lo = first query's window start (0 without a window), key_hi = last pos + 1
+    split s:    keys [key_lo + s * span, key_lo + (s+1) * span) of the item, partials merged
+
+``work_for`` builds the items once per step and configuration (cached in the metadata, like the
+twin's chunks); a layer's call then costs one FFI call with the tensors' addresses.
+
+Threads: by default the kernel runs on torch's own OpenMP team (the address of ``GOMP_parallel``
+in the libgomp torch loaded is handed to the extension), with ``torch.get_num_threads()``
+threads, so it never competes with torch's spinning workers. ``KVCORE_NATIVE_THREADS`` =
+``omp`` | ``rayon`` | ``single`` picks another mode (docs/kernels.md has the measurements);
+``KVCORE_NATIVE_PORTABLE=1`` forces the portable (non-AVX-512) code path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcore_kernels.plan import AttentionMetadata
+
+ITEM_ROWS = 48  # query rows (tokens x GQA group) per item: the scratch stays in L1/L2
+TASKS_PER_THREAD = 4  # split long key ranges until a step has this many tasks per thread
+MIN_SPLIT_KEYS = 512  # ... but never into splits shorter than this
+MAX_SPLITS = 64
+MODES = {"single": 0, "omp": 1, "rayon": 2}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FMT_F32, FMT_BF16, FMT_F16, FMT_INT8, FMT_E4M3, FMT_E5M2 = range(6)
+
+try:  # the compiled extension (not a Python module of the layer table)
+    _native = importlib.import_module("kvcore_kernels._native")
+except ImportError:  # a build without the extension: every caller falls back to the twin
+    _native = None
+
+
+def available() -> bool:
+    """Whether the extension is built (``pip install -e ./kernels`` builds it)."""
+    return _native is not None
+
+
+@dataclass
+class Options:
+    """Process-wide knobs (tests and benchmarks flip them)."""
+
+    mode: str = os.environ.get("KVCORE_NATIVE_THREADS", "omp")
+    portable: bool = os.environ.get("KVCORE_NATIVE_PORTABLE", "") not in ("", "0")
+    split_keys: int | None = None  # tests: split every item into runs of this many keys
+    fuse_heads: bool = os.environ.get("KVCORE_NATIVE_FUSE_HEADS", "") not in ("", "0")
+
+
+OPTIONS = Options()
+
+
+def features() -> dict[str, bool]:
+    """What the extension found: the AVX-512 path, AVX-512 BF16, torch's ``GOMP_parallel``."""
+    if _native is None:
+        return {"native": False}
+    _bind_openmp()
+    avx512, bf16, amx, gomp = _native.features()
+    return {"native": True, "avx512": avx512, "avx512_bf16": bf16, "amx": amx, "omp": gomp}
+
+
+_GOMP_DONE = False
+
+
+def _bind_openmp() -> None:
+    """Hand the extension ``GOMP_parallel`` of the libgomp torch itself loaded (Linux), once."""
+    global _GOMP_DONE
+    if _GOMP_DONE or _native is None:
+        return
+    _GOMP_DONE = True
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line}
+    except OSError:
+        return
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            _native.set_gomp_parallel(ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value)
+            return
+        except (OSError, AttributeError):
+            continue
+
+
+@dataclass(eq=False)
+class NativeWork:
+    """One step's items and merge groups for one (window, heads, head_dim) configuration."""
+
+    work: np.ndarray  # int64 [num_items, 6]: req, tok0, ntok, key_lo, key_hi, partial offset
+    merges: np.ndarray  # int64 [num_merges, 4]: tok0, ntok, num_splits, first partial offset
+    partial: torch.Tensor  # float32 scratch for split partials (acc, m, l per row)
+    max_rows: int
+    qsl: np.ndarray  # int64, contiguous: what the kernel reads
+    seq_lens: np.ndarray
+    table: np.ndarray
+
+
+def work_for(
+    meta: AttentionMetadata,
+    window: int | None,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    threads: int,
+) -> NativeWork:
+    """The items of a step (cached in ``meta.cache``): built once, read by every layer."""
+    key = ("native", window, num_kv_heads, group, head_dim, threads, OPTIONS.split_keys,
+           OPTIONS.fuse_heads)  # fmt: skip
+    work = meta.cache.get(key)
+    if work is None:
+        work = meta.cache[key] = _build(meta, window, num_kv_heads, group, head_dim, threads)
+    return work
+
+
+def _build(
+    meta: AttentionMetadata,
+    window: int | None,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    threads: int,
+) -> NativeWork:
+    qsl, lens = meta.host_query_start_loc, meta.host_seq_lens
+    q_lens = np.diff(qsl)
+    ctx = lens - q_lens
+    per_item = max(1, ITEM_ROWS // group)
+    reqs = np.flatnonzero(q_lens > 0)
+    n_chunks = -(-q_lens[reqs] // per_item)
+    req = np.repeat(reqs, n_chunks)
+    first = np.arange(len(req)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
+    start = first * per_item  # first query token of the item within its request
+    ntok = np.minimum(per_item, q_lens[req] - start)
+    first_pos = ctx[req] + start
+    key_hi = first_pos + ntok
+    key_lo = np.maximum(first_pos - window + 1, 0) if window else np.zeros_like(key_hi)
+    span = key_hi - key_lo
+    # Splits: only when the items alone cannot keep the threads busy.
+    splits = np.ones_like(span)
+    per_item = 1 if OPTIONS.fuse_heads else num_kv_heads  # tasks per item
+    if len(span) and threads > 1 and len(span) * per_item < TASKS_PER_THREAD * threads:
+        target = -(-int(span.sum()) * per_item // (TASKS_PER_THREAD * threads))
+        split_len = max(MIN_SPLIT_KEYS, -(-target // 16) * 16)
+        splits = np.clip(-(-span // split_len), 1, MAX_SPLITS)
+    if OPTIONS.split_keys:
+        splits = np.clip(-(-span // OPTIONS.split_keys), 1, MAX_SPLITS)
+    rows = ntok * group
+    block = num_kv_heads * rows * (head_dim + 2)  # floats of one split's partial
+    items, merges, offset = [], [], 0
+    for i in range(len(req)):
+        base = (int(req[i]), int(qsl[req[i]] + start[i]), int(ntok[i]))
+        s = int(splits[i])
+        if s == 1:
+            items.append((*base, int(key_lo[i]), int(key_hi[i]), -1))
+            continue
+        cut = -(-int(span[i]) // s)
+        cut = -(-cut // 16) * 16
+        edges = [int(key_lo[i]) + k * cut for k in range(s)] + [int(key_hi[i])]
+        edges = [e for e in edges if e < key_hi[i]] + [int(key_hi[i])]
+        merges.append((base[1], base[2], len(edges) - 1, offset))
+        for lo, hi in zip(edges, edges[1:], strict=False):
+            items.append((*base, lo, hi, offset))
+            offset += int(block[i])
+    work = np.array(items, dtype=np.int64).reshape(-1, 6)
+    cost = work[:, 2] * (work[:, 4] - work[:, 3])
+    work = np.ascontiguousarray(work[np.argsort(-cost, kind="stable")])  # longest first
+    return NativeWork(
+        work=work,
+        merges=np.array(merges, dtype=np.int64).reshape(-1, 4),
+        partial=torch.empty(max(offset, 1), dtype=torch.float32),
+        max_rows=int(ntok.max()) * num_kv_heads * group if len(ntok) else 1,
+        qsl=np.ascontiguousarray(qsl, dtype=np.int64),
+        seq_lens=np.ascontiguousarray(lens, dtype=np.int64),
+        table=np.ascontiguousarray(meta.host_block_table, dtype=np.int64),
+    )
+
+
+def run(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    kv_ptr: int,
+    fmt: int,
+    strides: tuple[int, int, int, int],  # bytes: block, token, head, K -> V
+    scale_offset: int,
+    num_kv_heads: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    alibi_slopes: torch.Tensor | None,
+    fp8_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """One layer's call: the caller checked the arguments; ``out`` is written in place."""
+    _bind_openmp()
+    hq, d = query.shape[1], query.shape[2]
+    threads = torch.get_num_threads()
+    work = work_for(meta, sliding_window, num_kv_heads, hq // num_kv_heads, d, threads)
+    if len(work.work) == 0:
+        return out
+    _native.paged_attention(
+        query.data_ptr(), query.stride(0), query.stride(1),
+        out.data_ptr(), out.stride(0), out.stride(1), DTYPE_CODES[query.dtype],
+        kv_ptr, fmt, *strides[:3], strides[3], scale_offset,
+        hq, num_kv_heads, d, meta.block_size,
+        work.qsl.ctypes.data, work.seq_lens.ctypes.data, work.table.ctypes.data,
+        work.table.shape[1],
+        float(scale), int(sliding_window or 0), float(soft_cap or 0.0),
+        0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+        0 if fp8_scale is None else fp8_scale.data_ptr(),
+        bool(meta.num_released),
+        work.work.ctypes.data, len(work.work), work.merges.ctypes.data, len(work.merges),
+        work.partial.data_ptr(), work.max_rows,
+        threads, MODES[OPTIONS.mode], OPTIONS.portable, OPTIONS.fuse_heads,
+    )  # fmt: skip
+    return out

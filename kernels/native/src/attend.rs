@@ -1,0 +1,661 @@
+//! Paged attention of one work item: one request, one KV head, a run of query tokens, a key range.
+//!
+//! K and V are read in place through the block table, sixteen keys at a time (a *tile*; keys of a
+//! tile may sit in different blocks: each key's row address is computed from its block-table
+//! entry). All query heads of the KV head (the GQA group) and all the item's query tokens are the
+//! rows of one online softmax in fp32, so each K and V row is read once per item::
+//!
+//!   rows r = i * G + g      (query token i of the item, query head h * G + g)
+//!   tile     keys k0 .. k0+15 of [key_lo, key_hi)
+//!   K tile   decoded to fp32 and transposed: kt[d][j]        (16 x 16 register transposes)
+//!   scores   s[r][j] = sum_d q[r][d] * kt[d][j]               (q pre-scaled; no horizontal sums)
+//!   P.V      acc[r][:] += p[r][j] * v[j][:]                   (v decoded once per tile)
+//!
+//! A key is visible to a row if it lies in [qpos - window + 1, qpos] and its block is not
+//! released (block-table entry 0 inside the sequence, when the call says blocks were released):
+//! a bit mask per row and tile. Masked or missing keys point at a zero row, so the null block is
+//! never read and no NaN beyond a sequence's end reaches the accumulator.
+//!
+//! Items whose key range is a split of a longer one write (acc, m, l) to a partial buffer that
+//! `merge` combines (flash-decoding's split-KV). Scratch is per thread, grown, never freed.
+
+use crate::simd::{self, Simd, W};
+
+/// How K and V elements are stored.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Fmt {
+    F32,
+    Bf16,
+    F16,
+    /// int8 codes with a float16 scale per token (per head, per K/V).
+    I8,
+    E4m3,
+    E5m2,
+}
+
+/// Element type of the query and the output.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Dt {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Dt {
+    pub fn size(self) -> usize {
+        if self == Dt::F32 {
+            4
+        } else {
+            2
+        }
+    }
+    #[inline(always)]
+    unsafe fn read(self, p: *const u8, i: usize) -> f32 {
+        match self {
+            Dt::F32 => (p as *const f32).add(i).read_unaligned(),
+            Dt::Bf16 => simd::bf16_to_f32((p as *const u16).add(i).read_unaligned()),
+            Dt::F16 => simd::f16_to_f32((p as *const u16).add(i).read_unaligned()),
+        }
+    }
+    #[inline(always)]
+    unsafe fn write(self, p: *mut u8, i: usize, x: f32) {
+        match self {
+            Dt::F32 => (p as *mut f32).add(i).write_unaligned(x),
+            Dt::Bf16 => (p as *mut u16).add(i).write_unaligned(simd::f32_to_bf16(x)),
+            Dt::F16 => (p as *mut u16).add(i).write_unaligned(simd::f32_to_f16(x)),
+        }
+    }
+}
+
+/// One call: pointers, strides (bytes for the cache, elements for q / out) and options.
+pub struct Call {
+    pub q: *const u8,
+    pub q_stride_tok: usize,
+    pub q_stride_head: usize,
+    pub out: *mut u8,
+    pub out_stride_tok: usize,
+    pub out_stride_head: usize,
+    pub dt: Dt,
+    pub kv: *const u8,
+    pub fmt: Fmt,
+    pub stride_block: usize,
+    pub stride_tok: usize,
+    pub stride_head: usize,
+    /// bytes from a K row to the V row of the same slot
+    pub v_offset: usize,
+    /// int8: bytes from a head segment's start to its K scales (V scales follow after bs)
+    pub scale_offset: usize,
+    pub num_q_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub qsl: *const i64,
+    pub seq_lens: *const i64,
+    pub table: *const i64,
+    pub table_stride: usize,
+    pub scale: f32,
+    pub window: i64,
+    pub soft_cap: f32,
+    pub alibi: *const f32,
+    /// fp8: float32 [2, num_kv_heads] (K then V) per-head scales, or null
+    pub fp8_scale: *const f32,
+    pub released: bool,
+    /// work items, 6 int64 each: req, tok0, ntok, key_lo, key_hi, partial offset (-1: none)
+    pub work: *const i64,
+    /// merge groups, 4 int64 each: tok0, ntok, num_splits, partial offset of the first split
+    pub merges: *const i64,
+    pub partial: *mut f32,
+}
+
+unsafe impl Sync for Call {}
+unsafe impl Send for Call {}
+
+/// Floats of scratch one thread needs for items of up to `rows` rows (all heads).
+pub fn scratch_len(rows: usize, d: usize) -> usize {
+    2 * rows * d + 2 * rows + 2 * W * d + rows * W + 2 * W + d + rows * d / 2 + W * d / 2 + W
+}
+
+#[inline(always)]
+unsafe fn load_row<S: Simd, const F: u8>(p: *const u8, c: usize) -> S {
+    match F {
+        0 => S::load((p as *const f32).add(c)),
+        1 => S::load_bf16((p as *const u16).add(c)),
+        2 => S::load_f16((p as *const u16).add(c)),
+        3 => S::load_i8((p as *const i8).add(c)),
+        4 => S::load_e4m3(p.add(c)),
+        _ => S::load_e5m2(p.add(c)),
+    }
+}
+
+/// Keys ahead of the current tile whose K and V rows are prefetched.
+const PREFETCH_KEYS: i64 = 64;
+
+/// Bytes per stored element of format `F`.
+#[inline(always)]
+fn elem_bytes(f: u8) -> usize {
+    match f {
+        0 => 4,
+        1 | 2 => 2,
+        _ => 1,
+    }
+}
+
+/// Ask for the cache lines of a row (a hint: no fault, no effect on results).
+#[inline(always)]
+unsafe fn prefetch_row(p: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let mut o = 0;
+        while o < bytes {
+            _mm_prefetch::<_MM_HINT_T0>(p.add(o) as *const i8);
+            o += 64;
+        }
+    }
+    let _ = (p, bytes);
+}
+
+/// Format as the const generic `run_item` is instantiated with.
+pub fn fmt_code(f: Fmt) -> u8 {
+    match f {
+        Fmt::F32 => 0,
+        Fmt::Bf16 => 1,
+        Fmt::F16 => 2,
+        Fmt::I8 => 3,
+        Fmt::E4m3 => 4,
+        Fmt::E5m2 => 5,
+    }
+}
+
+/// `p[x][:] = sum_dd q[x][dd] * kt[dd][:]` for `NR` rows (q rows `d` apart, p rows `W` apart),
+/// two accumulators per row (even / odd `dd`) to keep eight FMA chains in flight.
+#[inline(always)]
+unsafe fn qk_rows<S: Simd, const NR: usize>(q: *const f32, d: usize, kt: *const f32, p: *mut f32) {
+    let mut s0 = [S::splat(0.0); NR];
+    let mut s1 = [S::splat(0.0); NR];
+    let mut dd = 0;
+    while dd < d {
+        let k0 = S::load(kt.add(dd * W));
+        let k1 = S::load(kt.add((dd + 1) * W));
+        for x in 0..NR {
+            s0[x] = S::splat(*q.add(x * d + dd)).fma(k0, s0[x]);
+            s1[x] = S::splat(*q.add(x * d + dd + 1)).fma(k1, s1[x]);
+        }
+        dd += 2;
+    }
+    for x in 0..NR {
+        s0[x].add(s1[x]).store(p.add(x * W));
+    }
+}
+
+/// `acc[x][:] += sum_j p[x][j] * vt[j][:]` for `NR` rows, 32 columns at a time (16 for an odd
+/// last chunk).
+#[inline(always)]
+unsafe fn pv_rows<S: Simd, const NR: usize>(
+    acc: *mut f32,
+    p: *const f32,
+    d: usize,
+    vt: *const f32,
+    nk: usize,
+) {
+    let mut cc = 0;
+    if (d / W) % 2 == 1 {
+        let mut a = [S::splat(0.0); NR];
+        for x in 0..NR {
+            a[x] = S::load(acc.add(x * d));
+        }
+        for j in 0..nk {
+            let v = S::load(vt.add(j * d));
+            for x in 0..NR {
+                a[x] = S::splat(*p.add(x * W + j)).fma(v, a[x]);
+            }
+        }
+        for x in 0..NR {
+            a[x].store(acc.add(x * d));
+        }
+        cc = W;
+    }
+    while cc < d {
+        let mut a0 = [S::splat(0.0); NR];
+        let mut a1 = [S::splat(0.0); NR];
+        for x in 0..NR {
+            a0[x] = S::load(acc.add(x * d + cc));
+            a1[x] = S::load(acc.add(x * d + cc + W));
+        }
+        for j in 0..nk {
+            let v0 = S::load(vt.add(j * d + cc));
+            let v1 = S::load(vt.add(j * d + cc + W));
+            for x in 0..NR {
+                let pj = S::splat(*p.add(x * W + j));
+                a0[x] = pj.fma(v0, a0[x]);
+                a1[x] = pj.fma(v1, a1[x]);
+            }
+        }
+        for x in 0..NR {
+            a0[x].store(acc.add(x * d + cc));
+            a1[x].store(acc.add(x * d + cc + W));
+        }
+        cc += 2 * W;
+    }
+}
+
+/// `pv_rows` reading V rows of format `F` in place (`vptr`), each widened once per 16 columns.
+#[inline(always)]
+unsafe fn pv_direct<S: Simd, const F: u8, const NR: usize>(
+    acc: *mut f32,
+    p: *const f32,
+    d: usize,
+    vptr: &[*const u8; W],
+    nk: usize,
+) {
+    let mut cc = 0;
+    while cc < d {
+        let two = cc + 2 * W <= d;
+        let mut a0 = [S::splat(0.0); NR];
+        let mut a1 = [S::splat(0.0); NR];
+        for x in 0..NR {
+            a0[x] = S::load(acc.add(x * d + cc));
+            if two {
+                a1[x] = S::load(acc.add(x * d + cc + W));
+            }
+        }
+        for (j, &v) in vptr.iter().enumerate().take(nk) {
+            let v0 = load_row::<S, F>(v, cc);
+            let v1 = if two { load_row::<S, F>(v, cc + W) } else { v0 };
+            for x in 0..NR {
+                let pj = S::splat(*p.add(x * W + j));
+                a0[x] = pj.fma(v0, a0[x]);
+                if two {
+                    a1[x] = pj.fma(v1, a1[x]);
+                }
+            }
+        }
+        for x in 0..NR {
+            a0[x].store(acc.add(x * d + cc));
+            if two {
+                a1[x].store(acc.add(x * d + cc + W));
+            }
+        }
+        cc += if two { 2 * W } else { W };
+    }
+}
+
+/// Attention of work item `item` for KV heads `heads.0 .. heads.1` (one task); with all heads
+/// the item streams through its blocks once (a token's heads are adjacent in the cache).
+/// `scratch` holds `scratch_len(rows, d)` floats, `rows` = the item's query rows of those heads.
+#[inline(always)]
+pub unsafe fn run_item<S: Simd, const F: u8>(
+    c: &Call,
+    item: usize,
+    heads: (usize, usize),
+    scratch: &mut [f32],
+) {
+    let w = std::slice::from_raw_parts(c.work.add(6 * item), 6);
+    let (req, tok0, ntok) = (w[0] as usize, w[1] as usize, w[2] as usize);
+    let (key_lo, key_hi, part) = (w[3], w[4], w[5]);
+    let d = c.head_dim;
+    let hk = c.num_kv_heads;
+    let g = c.num_q_heads / hk;
+    let hrows = ntok * g; // rows of one KV head: r = i * g + gg
+    let (h0, h1) = heads; // this task's KV heads
+    let rows = (h1 - h0) * hrows; // head hh's rows start at (hh - h0) * hrows
+    let nc = d / W;
+    let (q, rest) = scratch.split_at_mut(rows * d);
+    let (acc, rest) = rest.split_at_mut(rows * d);
+    let (m, rest) = rest.split_at_mut(rows);
+    let (l, rest) = rest.split_at_mut(rows);
+    let (kt, rest) = rest.split_at_mut(W * d);
+    let (vt, rest) = rest.split_at_mut(W * d);
+    let (p, rest) = rest.split_at_mut(hrows * W);
+    let (kscale, rest) = rest.split_at_mut(W);
+    let (vscale, rest) = rest.split_at_mut(W);
+    let (zero, rest) = rest.split_at_mut(d);
+    zero.fill(0.0);
+    // bf16 queries dot bf16 K rows without widening (AVX-512 BF16): bf16 caches in place,
+    // int8 / fp8 tiles after an exact conversion to bf16 (`kb`).
+    let dpbf16 = S::DPBF16 && d % 32 == 0 && (F == 1 || (F >= 3 && c.dt == Dt::Bf16));
+    let (qb_f, rest) = rest.split_at_mut(rows * d / 2);
+    let qb = qb_f.as_mut_ptr() as *mut u16; // [rows, d] bf16 query rows (dpbf16 only)
+    let kb = rest.as_mut_ptr() as *mut u16; // [W, d] a converted K tile (dpbf16, F >= 3)
+    let zero_row = zero.as_ptr() as *const u8; // zero in every format
+
+    let seq_len = *c.seq_lens.add(req);
+    let q_len = *c.qsl.add(req + 1) - *c.qsl.add(req);
+    let first_pos = seq_len - q_len + (tok0 as i64 - *c.qsl.add(req));
+    let kscale_of = |hh: usize| {
+        if c.fp8_scale.is_null() {
+            1.0
+        } else {
+            *c.fp8_scale.add(hh)
+        }
+    };
+    for hh in h0..h1 {
+        let qscale = c.scale * kscale_of(hh);
+        for i in 0..ntok {
+            let src = c.q.add((tok0 + i) * c.q_stride_tok * c.dt.size());
+            for gg in 0..g {
+                let row = src.add((hh * g + gg) * c.q_stride_head * c.dt.size());
+                let r = (hh - h0) * hrows + i * g + gg;
+                let dst = &mut q[r * d..][..d];
+                for (e, x) in dst.iter_mut().enumerate() {
+                    *x = c.dt.read(row, e) * qscale;
+                }
+                if dpbf16 {
+                    std::ptr::copy_nonoverlapping(row as *const u16, qb.add(r * d), d);
+                }
+            }
+        }
+    }
+    acc.fill(0.0);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    let table = c.table.add(req * c.table_stride);
+    let bs = c.block_size as i64;
+    let int8 = F == 3;
+    let row_bytes = d * elem_bytes(F);
+    // Keys PREFETCH_KEYS ahead of the tile are prefetched (K and V rows of every head): a
+    // request's blocks are scattered, so the hardware prefetcher cannot guess them.
+    let mut pf_key = key_lo + PREFETCH_KEYS;
+    let (mut pf_blk, mut pf_t) = ((pf_key / bs) as usize, (pf_key % bs) as usize);
+    let (mut cur_blk, mut cur_t) = ((key_lo / bs) as usize, (key_lo % bs) as usize);
+    let mut base = [0usize; W]; // byte offset of key j's K row of head 0 (real keys)
+    let mut kptr = [zero_row; W];
+    let mut vptr = [zero_row; W];
+    let mut masks = [0u16; 256];
+    let mut k0 = key_lo;
+    while k0 < key_hi {
+        let n = (key_hi - k0).min(W as i64) as usize;
+        let pf_end = (k0 + W as i64 + PREFETCH_KEYS).min(key_hi);
+        while pf_key < pf_end {
+            let blk = *table.add(pf_blk);
+            if blk != 0 || !c.released {
+                let r =
+                    c.kv.add(blk as usize * c.stride_block + pf_t * c.stride_tok);
+                for hh in h0..h1 {
+                    prefetch_row(r.add(hh * c.stride_head), row_bytes);
+                    prefetch_row(r.add(hh * c.stride_head + c.v_offset), row_bytes);
+                }
+            }
+            pf_key += 1;
+            pf_t += 1;
+            if pf_t == c.block_size {
+                pf_t = 0;
+                pf_blk += 1;
+            }
+        }
+        let mut tile_mask: u16 = 0;
+        let mut tok = [0usize; W];
+        for j in 0..n {
+            let blk = *table.add(cur_blk);
+            tok[j] = cur_t;
+            cur_t += 1;
+            if cur_t == c.block_size {
+                cur_t = 0;
+                cur_blk += 1;
+            }
+            if blk == 0 && c.released {
+                continue;
+            }
+            base[j] = blk as usize * c.stride_block;
+            tile_mask |= 1 << j;
+        }
+        // Tokens that see some key of the tile: qpos >= k0 and qpos - window < k0 + n - 1.
+        let mut r_lo = hrows;
+        let mut r_hi = 0;
+        for i in 0..ntok {
+            let qpos = first_pos + i as i64;
+            let hi = (qpos - k0 + 1).clamp(0, W as i64) as u32; // lanes < hi: key <= qpos
+            let lo = if c.window > 0 {
+                (qpos - c.window + 1 - k0).clamp(0, W as i64) as u32
+            } else {
+                0
+            };
+            let range = if hi > lo {
+                (((1u32 << hi) - 1) & !((1u32 << lo) - 1)) as u16
+            } else {
+                0
+            };
+            let mk = range & tile_mask;
+            masks[i] = mk;
+            if mk != 0 {
+                r_lo = r_lo.min(i * g);
+                r_hi = r_hi.max((i + 1) * g);
+            }
+        }
+        if r_lo >= r_hi {
+            k0 += W as i64;
+            continue;
+        }
+        let nk = W - tile_mask.leading_zeros() as usize; // last real key + 1
+        let keys = {
+            let mut a = [0f32; W];
+            for (j, x) in a.iter_mut().enumerate() {
+                *x = (k0 + j as i64) as f32;
+            }
+            S::load(a.as_ptr())
+        };
+        for hh in h0..h1 {
+            let head = c.kv.add(hh * c.stride_head);
+            for j in 0..W {
+                let real = tile_mask >> j & 1 != 0;
+                kptr[j] = if real {
+                    head.add(base[j] + tok[j] * c.stride_tok)
+                } else {
+                    zero_row
+                };
+                vptr[j] = if real {
+                    kptr[j].add(c.v_offset)
+                } else {
+                    zero_row
+                };
+                if int8 {
+                    let (mut ks, mut vs) = (0.0, 0.0);
+                    if real {
+                        let s = head.add(base[j] + c.scale_offset) as *const u16;
+                        ks = simd::f16_to_f32(s.add(tok[j]).read_unaligned());
+                        vs = simd::f16_to_f32(s.add(c.block_size + tok[j]).read_unaligned());
+                    }
+                    kscale[j] = ks;
+                    vscale[j] = vs;
+                }
+            }
+            let hq0 = (hh - h0) * hrows; // this head's first row
+            let (qh, acch) = (q.as_ptr().add(hq0 * d), acc.as_mut_ptr().add(hq0 * d));
+            // Scores of the visible rows.
+            if dpbf16 {
+                let mut krows = kptr;
+                if F >= 3 {
+                    for (j, kr) in krows.iter_mut().enumerate() {
+                        let dst = kb.add(j * d);
+                        let mut cc = 0;
+                        while cc < d {
+                            let lo = load_row::<S, F>(kptr[j], cc);
+                            S::store_bf16x2(lo, load_row::<S, F>(kptr[j], cc + W), dst.add(cc));
+                            cc += 2 * W;
+                        }
+                        *kr = dst as *const u8;
+                    }
+                }
+                let qs = S::splat(c.scale * kscale_of(hh));
+                for r in r_lo..r_hi {
+                    S::dot16_bf16(qb.add((hq0 + r) * d), &krows, d)
+                        .mul(qs)
+                        .store(p.as_mut_ptr().add(r * W));
+                }
+            } else {
+                // K tile, transposed: kt[dd * W + j] = K[j][dd]
+                for cc in 0..nc {
+                    let mut tile: [S; W] =
+                        std::array::from_fn(|j| load_row::<S, F>(kptr[j], cc * W));
+                    S::transpose(&mut tile);
+                    for (i, v) in tile.iter().enumerate() {
+                        v.store(kt.as_mut_ptr().add((cc * W + i) * W));
+                    }
+                }
+                let mut r = r_lo;
+                while r < r_hi {
+                    let (qr, pr) = (qh.add(r * d), p.as_mut_ptr().add(r * W));
+                    match r_hi - r {
+                        1 => qk_rows::<S, 1>(qr, d, kt.as_ptr(), pr),
+                        2 => qk_rows::<S, 2>(qr, d, kt.as_ptr(), pr),
+                        3 => qk_rows::<S, 3>(qr, d, kt.as_ptr(), pr),
+                        _ => qk_rows::<S, 4>(qr, d, kt.as_ptr(), pr),
+                    }
+                    r += 4;
+                }
+            }
+            // Online softmax of the visible rows.
+            let ks = S::load(kscale.as_ptr());
+            let vsc = S::load(vscale.as_ptr());
+            for r in r_lo..r_hi {
+                let mk = masks[r / g];
+                let pr = p.as_mut_ptr().add(r * W);
+                if mk == 0 {
+                    S::splat(0.0).store(pr);
+                    continue;
+                }
+                let mut s = S::load(pr);
+                if int8 {
+                    s = s.mul(ks);
+                }
+                if c.soft_cap > 0.0 {
+                    s = simd::tanh(s.mul(S::splat(1.0 / c.soft_cap))).mul(S::splat(c.soft_cap));
+                }
+                if !c.alibi.is_null() {
+                    let slope = *c.alibi.add(hh * g + r % g);
+                    let qpos = (first_pos + (r / g) as i64) as f32;
+                    s = keys.add(S::splat(-qpos)).fma(S::splat(slope), s);
+                }
+                s = s.select(mk, S::splat(f32::NEG_INFINITY));
+                let (mr, lr) = (&mut m[hq0 + r], &mut l[hq0 + r]);
+                let m_new = mr.max(s.hmax());
+                let alpha = if *mr == m_new {
+                    1.0 // the max did not move: no exp, no rescale
+                } else if *mr == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (*mr - m_new).exp()
+                };
+                let e = s.add(S::splat(-m_new)).exp().select(mk, S::splat(0.0));
+                *lr = *lr * alpha + e.hsum();
+                *mr = m_new;
+                if alpha != 1.0 {
+                    let a = S::splat(alpha);
+                    for cc in 0..nc {
+                        let pa = acch.add(r * d + cc * W);
+                        S::load(pa).mul(a).store(pa);
+                    }
+                }
+                (if int8 { e.mul(vsc) } else { e }).store(pr);
+            }
+            // P.V
+            if r_hi - r_lo <= 4 {
+                // Few rows (decode): V rows widened straight from the cache into the FMAs.
+                let (ar, pr) = (acch.add(r_lo * d), p.as_ptr().add(r_lo * W));
+                match r_hi - r_lo {
+                    1 => pv_direct::<S, F, 1>(ar, pr, d, &vptr, nk),
+                    2 => pv_direct::<S, F, 2>(ar, pr, d, &vptr, nk),
+                    3 => pv_direct::<S, F, 3>(ar, pr, d, &vptr, nk),
+                    _ => pv_direct::<S, F, 4>(ar, pr, d, &vptr, nk),
+                }
+                continue;
+            }
+            for j in 0..nk {
+                for cc in 0..nc {
+                    load_row::<S, F>(vptr[j], cc * W).store(vt.as_mut_ptr().add(j * d + cc * W));
+                }
+            }
+            let mut r = r_lo;
+            while r < r_hi {
+                let (ar, pr) = (acch.add(r * d), p.as_ptr().add(r * W));
+                match r_hi - r {
+                    1 => pv_rows::<S, 1>(ar, pr, d, vt.as_ptr(), nk),
+                    2 => pv_rows::<S, 2>(ar, pr, d, vt.as_ptr(), nk),
+                    3 => pv_rows::<S, 3>(ar, pr, d, vt.as_ptr(), nk),
+                    _ => pv_rows::<S, 4>(ar, pr, d, vt.as_ptr(), nk),
+                }
+                r += 4;
+            }
+        }
+        k0 += W as i64;
+    }
+    if part >= 0 {
+        // partial block layout: [head][hrows][d + 2] = (acc, m, l)
+        let base = c.partial.add(part as usize + h0 * hrows * (d + 2));
+        for r in 0..rows {
+            let dst = base.add(r * (d + 2));
+            std::ptr::copy_nonoverlapping(acc.as_ptr().add(r * d), dst, d);
+            *dst.add(d) = m[r];
+            *dst.add(d + 1) = l[r];
+        }
+        return;
+    }
+    for hh in h0..h1 {
+        let vs = if c.fp8_scale.is_null() {
+            1.0
+        } else {
+            *c.fp8_scale.add(hk + hh)
+        };
+        for i in 0..ntok {
+            for gg in 0..g {
+                let r = (hh - h0) * hrows + i * g + gg;
+                let inv = if l[r] > 0.0 { vs / l[r] } else { 0.0 };
+                let dst = c.out.add(
+                    ((tok0 + i) * c.out_stride_tok + (hh * g + gg) * c.out_stride_head)
+                        * c.dt.size(),
+                );
+                for e in 0..d {
+                    c.dt.write(dst, e, acc[r * d + e] * inv);
+                }
+            }
+        }
+    }
+}
+
+/// Combine the splits of merge group `grp` for KV head `h` into the output.
+pub unsafe fn merge(c: &Call, grp: usize, h: usize) {
+    let w = std::slice::from_raw_parts(c.merges.add(4 * grp), 4);
+    let (tok0, ntok, nsplit, part) = (w[0] as usize, w[1] as usize, w[2] as usize, w[3] as usize);
+    let d = c.head_dim;
+    let g = c.num_q_heads / c.num_kv_heads;
+    let rows = ntok * g;
+    let block = c.num_kv_heads * rows * (d + 2);
+    let vs = if c.fp8_scale.is_null() {
+        1.0
+    } else {
+        *c.fp8_scale.add(c.num_kv_heads + h)
+    };
+    for r in 0..rows {
+        let at = |s: usize| {
+            c.partial
+                .add(part + s * block + h * rows * (d + 2) + r * (d + 2))
+        };
+        let mut m = f32::NEG_INFINITY;
+        for s in 0..nsplit {
+            m = m.max(*at(s).add(d));
+        }
+        let mut l = 0.0f32;
+        let mut wts = [0f32; 256];
+        for (s, wt) in wts.iter_mut().enumerate().take(nsplit) {
+            let ms = *at(s).add(d);
+            *wt = if ms == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (ms - m).exp()
+            };
+            l += *wt * *at(s).add(d + 1);
+        }
+        let inv = if l > 0.0 { vs / l } else { 0.0 };
+        let (i, gg) = (r / g, r % g);
+        let dst = c
+            .out
+            .add(((tok0 + i) * c.out_stride_tok + (h * g + gg) * c.out_stride_head) * c.dt.size());
+        for e in 0..d {
+            let mut o = 0.0f32;
+            for (s, wt) in wts.iter().enumerate().take(nsplit) {
+                o += *wt * *at(s).add(e);
+            }
+            c.dt.write(dst, e, o * inv);
+        }
+    }
+}

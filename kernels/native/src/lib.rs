@@ -1,0 +1,156 @@
+//! Native CPU kernels of `kvcore_kernels` (module `kvcore_kernels._native`): paged attention that
+//! reads K and V in place through the block table. Knows nothing of torch or kvcore: it takes
+//! addresses, strides and sizes; `kvcore_kernels/cpu_native.py` checks the tensors and builds
+//! the work list once per step.
+//!
+//! * `attend`: one item (request x KV head x query tokens x key range), the online softmax.
+//! * `simd`: the 16-lane vector type, AVX-512 or portable, chosen at run time here.
+//! * `pool`: torch's OpenMP team, a rayon pool or the calling thread.
+
+// Index loops over fixed 16-lane arrays read clearer than iterator chains here; the unsafe
+// functions' contract (live memory of the stated shapes) is stated once, on `run`.
+#![allow(
+    clippy::needless_range_loop,
+    clippy::missing_safety_doc,
+    clippy::too_many_arguments
+)]
+#![allow(clippy::result_unit_err, clippy::manual_is_multiple_of)]
+
+pub mod attend;
+pub mod pool;
+pub mod simd;
+
+use attend::{run_item, scratch_len, Call};
+use simd::Portable;
+use std::cell::RefCell;
+
+thread_local! {
+    /// Per-thread scratch, grown to the largest item seen and kept (no allocation per call).
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether this CPU runs the AVX-512 path (avx512f/bw/dq/vl).
+pub fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+type ItemFn = unsafe fn(&Call, usize, (usize, usize), &mut [f32]);
+
+unsafe fn item_portable<const F: u8>(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
+    run_item::<Portable, F>(c, item, heads, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma")]
+unsafe fn item_avx512<const F: u8>(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
+    run_item::<simd::Avx512<false>, F>(c, item, heads, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,f16c,fma")]
+unsafe fn item_avx512_bf16<const F: u8>(
+    c: &Call,
+    item: usize,
+    heads: (usize, usize),
+    s: &mut [f32],
+) {
+    run_item::<simd::Avx512<true>, F>(c, item, heads, s)
+}
+
+/// Whether bf16 caches take the AVX-512 BF16 dot-product path (`KVCORE_NATIVE_NO_DPBF16` unset).
+pub fn use_dpbf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            is_x86_feature_detected!("avx512bf16")
+                && std::env::var_os("KVCORE_NATIVE_NO_DPBF16").is_none()
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+fn item_fn(fmt: attend::Fmt, avx512: bool) -> ItemFn {
+    macro_rules! pick {
+        ($f:ident) => {
+            match attend::fmt_code(fmt) {
+                0 => $f::<0> as ItemFn,
+                1 => $f::<1>,
+                2 => $f::<2>,
+                3 => $f::<3>,
+                4 => $f::<4>,
+                _ => $f::<5>,
+            }
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx512 {
+        if use_dpbf16() {
+            match fmt {
+                attend::Fmt::Bf16 => return item_avx512_bf16::<1>,
+                attend::Fmt::I8 => return item_avx512_bf16::<3>,
+                attend::Fmt::E4m3 => return item_avx512_bf16::<4>,
+                attend::Fmt::E5m2 => return item_avx512_bf16::<5>,
+                _ => {}
+            }
+        }
+        return pick!(item_avx512);
+    }
+    let _ = avx512;
+    pick!(item_portable)
+}
+
+/// Run every work item (all KV heads in one task if `fuse_heads`, else one task per KV head),
+/// then every merge group (one task per KV head).
+///
+/// # Safety
+/// Every pointer and stride of `c` must describe live memory of the stated shapes; `max_rows`
+/// bounds the rows (query tokens x query heads) of any item.
+pub unsafe fn run(
+    c: &Call,
+    num_items: usize,
+    num_merges: usize,
+    max_rows: usize,
+    threads: usize,
+    mode: pool::Mode,
+    portable: bool,
+    fuse_heads: bool,
+) -> Result<(), ()> {
+    let f = item_fn(c.fmt, !portable && has_avx512());
+    let hk = c.num_kv_heads;
+    let hpt = if fuse_heads { hk } else { 1 }; // KV heads per task
+    let per_item = hk / hpt;
+    let need = scratch_len(max_rows / hk * hpt, c.head_dim);
+    pool::for_each(num_items * per_item, threads, mode, &|t| {
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            if s.len() < need {
+                s.resize(need, 0.0);
+            }
+            let h0 = (t % per_item) * hpt;
+            unsafe { f(c, t / per_item, (h0, h0 + hpt), &mut s[..need]) };
+        })
+    })?;
+    if num_merges > 0 {
+        pool::for_each(num_merges * hk, threads, mode, &|t| unsafe {
+            attend::merge(c, t / hk, t % hk)
+        })?;
+    }
+    Ok(())
+}
+
+#[cfg(feature = "python")]
+mod py;

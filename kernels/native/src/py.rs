@@ -1,0 +1,160 @@
+//! The Python binding: `paged_attention(...)` over addresses, `set_gomp_parallel`, `features`.
+
+use crate::attend::{Call, Dt, Fmt};
+use crate::pool::{self, Mode};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+/// Paged attention over raw addresses (see `kvcore_kernels.cpu_native` for the meaning of each
+/// argument); releases the GIL. Raises ValueError for an unknown code, RuntimeError on a panic.
+#[pyfunction]
+#[pyo3(signature = (
+    q, q_stride_tok, q_stride_head, out, out_stride_tok, out_stride_head, dtype,
+    kv, fmt, stride_block, stride_tok, stride_head, v_offset, scale_offset,
+    num_q_heads, num_kv_heads, head_dim, block_size,
+    qsl, seq_lens, table, table_stride,
+    scale, window, soft_cap, alibi, fp8_scale, released,
+    work, num_items, merges, num_merges, partial, max_rows,
+    threads, mode, portable, fuse_heads
+))]
+#[allow(clippy::too_many_arguments)]
+fn paged_attention(
+    py: Python<'_>,
+    q: usize,
+    q_stride_tok: usize,
+    q_stride_head: usize,
+    out: usize,
+    out_stride_tok: usize,
+    out_stride_head: usize,
+    dtype: u8,
+    kv: usize,
+    fmt: u8,
+    stride_block: usize,
+    stride_tok: usize,
+    stride_head: usize,
+    v_offset: usize,
+    scale_offset: usize,
+    num_q_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    qsl: usize,
+    seq_lens: usize,
+    table: usize,
+    table_stride: usize,
+    scale: f32,
+    window: i64,
+    soft_cap: f32,
+    alibi: usize,
+    fp8_scale: usize,
+    released: bool,
+    work: usize,
+    num_items: usize,
+    merges: usize,
+    num_merges: usize,
+    partial: usize,
+    max_rows: usize,
+    threads: usize,
+    mode: u8,
+    portable: bool,
+    fuse_heads: bool,
+) -> PyResult<()> {
+    let dt = match dtype {
+        0 => Dt::F32,
+        1 => Dt::Bf16,
+        2 => Dt::F16,
+        _ => return Err(PyValueError::new_err(format!("unknown dtype code {dtype}"))),
+    };
+    let fmt = match fmt {
+        0 => Fmt::F32,
+        1 => Fmt::Bf16,
+        2 => Fmt::F16,
+        3 => Fmt::I8,
+        4 => Fmt::E4m3,
+        5 => Fmt::E5m2,
+        _ => return Err(PyValueError::new_err(format!("unknown format code {fmt}"))),
+    };
+    let mode = match mode {
+        0 => Mode::Single,
+        1 => Mode::Omp,
+        2 => Mode::Rayon,
+        _ => return Err(PyValueError::new_err(format!("unknown thread mode {mode}"))),
+    };
+    if head_dim % crate::simd::W != 0
+        || head_dim == 0
+        || num_kv_heads == 0
+        || num_q_heads % num_kv_heads != 0
+    {
+        return Err(PyValueError::new_err(
+            "head_dim must be a multiple of 16, heads a multiple of KV heads",
+        ));
+    }
+    if max_rows > 256 * num_q_heads {
+        return Err(PyValueError::new_err(
+            "an item holds at most 256 query tokens",
+        ));
+    }
+    let c = Call {
+        q: q as *const u8,
+        q_stride_tok,
+        q_stride_head,
+        out: out as *mut u8,
+        out_stride_tok,
+        out_stride_head,
+        dt,
+        kv: kv as *const u8,
+        fmt,
+        stride_block,
+        stride_tok,
+        stride_head,
+        v_offset,
+        scale_offset,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        qsl: qsl as *const i64,
+        seq_lens: seq_lens as *const i64,
+        table: table as *const i64,
+        table_stride,
+        scale,
+        window,
+        soft_cap,
+        alibi: alibi as *const f32,
+        fp8_scale: fp8_scale as *const f32,
+        released,
+        work: work as *const i64,
+        merges: merges as *const i64,
+        partial: partial as *mut f32,
+    };
+    let res = py.detach(|| unsafe {
+        crate::run(
+            &c, num_items, num_merges, max_rows, threads, mode, portable, fuse_heads,
+        )
+    });
+    res.map_err(|_| PyRuntimeError::new_err("native paged attention panicked"))
+}
+
+/// Record libgomp's `GOMP_parallel` address (0: none) for thread mode 1.
+#[pyfunction]
+fn set_gomp_parallel(addr: usize) {
+    pool::set_gomp_parallel(addr);
+}
+
+/// (avx512 path available, avx512_bf16, amx (not detected: unstable in Rust), GOMP_parallel set)
+#[pyfunction]
+fn features() -> (bool, bool, bool, bool) {
+    #[cfg(target_arch = "x86_64")]
+    let (bf16, amx) = (is_x86_feature_detected!("avx512bf16"), false);
+    #[cfg(not(target_arch = "x86_64"))]
+    let (bf16, amx) = (false, false);
+    (crate::has_avx512(), bf16, amx, pool::has_gomp())
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(set_gomp_parallel, m)?)?;
+    m.add_function(wrap_pyfunction!(features, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,587 @@
+//! Sixteen fp32 lanes, two ways: AVX-512 registers (`Avx512`) and a plain array (`Portable`).
+//!
+//! The attention loop (`attend.rs`) is written once against the `Simd` trait and instantiated
+//! for both; the AVX-512 instance is compiled inside a `#[target_feature]` function and chosen
+//! at run time (`lib.rs`), the portable one runs anywhere (the compiler vectorises what it can
+//! for the baseline target). Stored element types are widened to fp32 on load (`load_*`): the
+//! math is fp32 whatever the cache holds. All functions are `unsafe`: they read raw pointers,
+//! and the AVX-512 ones need the CPU features the caller checked.
+
+/// Lanes per vector.
+pub const W: usize = 16;
+
+/// fp32 x 16 operations the kernel needs.
+pub trait Simd: Copy {
+    unsafe fn splat(x: f32) -> Self;
+    unsafe fn load(p: *const f32) -> Self;
+    unsafe fn store(self, p: *mut f32);
+    unsafe fn add(self, o: Self) -> Self;
+    unsafe fn mul(self, o: Self) -> Self;
+    /// `self * b + c`
+    unsafe fn fma(self, b: Self, c: Self) -> Self;
+    unsafe fn hmax(self) -> f32;
+    unsafe fn hsum(self) -> f32;
+    /// e^x lane-wise (x = -inf or below -87 gives a tiny value or 0; callers mask).
+    unsafe fn exp(self) -> Self;
+    /// Lanes whose bit is set in `mask` from `self`, the others from `other`.
+    unsafe fn select(self, mask: u16, other: Self) -> Self;
+    /// In-place transpose of a 16 x 16 tile (row i, lane j) -> (row j, lane i).
+    unsafe fn transpose(rows: &mut [Self; W]);
+    unsafe fn load_bf16(p: *const u16) -> Self;
+    unsafe fn load_f16(p: *const u16) -> Self;
+    unsafe fn load_i8(p: *const i8) -> Self;
+    unsafe fn load_e4m3(p: *const u8) -> Self;
+    unsafe fn load_e5m2(p: *const u8) -> Self;
+    /// Whether `dot16_bf16` is implemented (AVX-512 BF16 dot products).
+    const DPBF16: bool = false;
+    /// Lane j: `sum_d q[d] * k[j][d]` over bf16 rows of `d` elements (`d` a multiple of 32).
+    #[inline(always)]
+    unsafe fn dot16_bf16(_q: *const u16, _k: &[*const u8; W], _d: usize) -> Self {
+        unreachable!("dot16_bf16 needs AVX-512 BF16")
+    }
+    /// Store `lo` then `hi` as 32 bf16 (round to nearest even; exact for int8 / fp8 values).
+    #[inline(always)]
+    unsafe fn store_bf16x2(_lo: Self, _hi: Self, _p: *mut u16) {
+        unreachable!("store_bf16x2 needs AVX-512 BF16")
+    }
+}
+
+/// tanh from exp: 1 - 2 / (e^{2x} + 1), saturating for large |x|.
+#[inline(always)]
+pub unsafe fn tanh<S: Simd>(x: S) -> S {
+    let mut buf = [0f32; W];
+    let e = x.add(x).exp();
+    e.store(buf.as_mut_ptr());
+    for v in buf.iter_mut() {
+        *v = if v.is_infinite() {
+            1.0
+        } else {
+            1.0 - 2.0 / (*v + 1.0)
+        };
+    }
+    S::load(buf.as_ptr())
+}
+
+// ---------------------------------------------------------------- scalar conversions
+
+/// bf16 bits -> f32.
+#[inline(always)]
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// f32 -> bf16 bits, round to nearest even (NaN stays NaN).
+#[inline(always)]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// IEEE half bits -> f32 (subnormals, inf and NaN included).
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h as u32) & 0x8000) << 16;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let man = (h & 0x3ff) as u32;
+    if exp == 0 {
+        // subnormal: man * 2^-24, exact in f32
+        let v = man as f32 * f32::from_bits(0x3380_0000);
+        return if sign != 0 { -v } else { v };
+    }
+    let mag = if exp == 31 {
+        0x7f80_0000 | (man << 13)
+    } else {
+        ((exp + 112) << 23) | (man << 13)
+    };
+    f32::from_bits(sign | mag)
+}
+
+/// f32 -> IEEE half bits, round to nearest even, overflow to inf.
+pub fn f32_to_f16(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let a = b & 0x7fff_ffff;
+    if a >= 0x7f80_0000 {
+        return sign | 0x7c00 | if a > 0x7f80_0000 { 0x200 } else { 0 };
+    }
+    if a >= 0x4780_0000 {
+        // >= 65536: rounds to inf
+        return sign | 0x7c00;
+    }
+    if a < 0x3880_0000 {
+        // below the smallest normal half (2^-14): subnormal or zero, in units of 2^-24
+        let v = f32::from_bits(a) * 2f32.powi(24);
+        let r = v.round_ties_even() as u16;
+        return sign | r;
+    }
+    let rounded = a + 0x0fff + ((a >> 13) & 1);
+    sign | (((rounded >> 13) - (112 << 10)) as u16)
+}
+
+/// FP8 E4M3 (fn) bits -> f32: the magnitude bits shifted into an f32 and rebiased by 2^120.
+#[inline(always)]
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let mag = f32::from_bits(((b & 0x7f) as u32) << 20) * f32::from_bits(0x7b80_0000); // 2^120
+    if b & 0x80 != 0 {
+        -mag
+    } else {
+        mag
+    }
+}
+
+/// FP8 E5M2 bits -> f32: the top byte of an IEEE half.
+#[inline(always)]
+pub fn e5m2_to_f32(b: u8) -> f32 {
+    f16_to_f32((b as u16) << 8)
+}
+
+// ---------------------------------------------------------------- portable
+
+/// The portable instance: sixteen lanes in an array.
+#[derive(Clone, Copy)]
+pub struct Portable(pub [f32; W]);
+
+impl Portable {
+    #[inline(always)]
+    fn map(self, f: impl Fn(f32) -> f32) -> Self {
+        let mut o = self.0;
+        for v in o.iter_mut() {
+            *v = f(*v);
+        }
+        Portable(o)
+    }
+    #[inline(always)]
+    fn zip(self, b: Self, f: impl Fn(f32, f32) -> f32) -> Self {
+        let mut o = self.0;
+        for (v, w) in o.iter_mut().zip(b.0) {
+            *v = f(*v, w);
+        }
+        Portable(o)
+    }
+    #[inline(always)]
+    unsafe fn from_fn(f: impl Fn(usize) -> f32) -> Self {
+        let mut o = [0f32; W];
+        for (i, v) in o.iter_mut().enumerate() {
+            *v = f(i);
+        }
+        Portable(o)
+    }
+}
+
+impl Simd for Portable {
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        Portable([x; W])
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        Portable(std::ptr::read_unaligned(p as *const [f32; W]))
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        std::ptr::write_unaligned(p as *mut [f32; W], self.0)
+    }
+    #[inline(always)]
+    unsafe fn add(self, o: Self) -> Self {
+        self.zip(o, |a, b| a + b)
+    }
+    #[inline(always)]
+    unsafe fn mul(self, o: Self) -> Self {
+        self.zip(o, |a, b| a * b)
+    }
+    #[inline(always)]
+    unsafe fn fma(self, b: Self, c: Self) -> Self {
+        let mut o = self.0;
+        for i in 0..W {
+            o[i] = o[i] * b.0[i] + c.0[i];
+        }
+        Portable(o)
+    }
+    #[inline(always)]
+    unsafe fn hmax(self) -> f32 {
+        self.0.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+    #[inline(always)]
+    unsafe fn hsum(self) -> f32 {
+        self.0.iter().sum()
+    }
+    #[inline(always)]
+    unsafe fn exp(self) -> Self {
+        self.map(f32::exp)
+    }
+    #[inline(always)]
+    unsafe fn select(self, mask: u16, other: Self) -> Self {
+        let mut o = other.0;
+        for (i, v) in o.iter_mut().enumerate() {
+            if mask >> i & 1 != 0 {
+                *v = self.0[i];
+            }
+        }
+        Portable(o)
+    }
+    unsafe fn transpose(rows: &mut [Self; W]) {
+        for i in 0..W {
+            for j in i + 1..W {
+                let t = rows[i].0[j];
+                rows[i].0[j] = rows[j].0[i];
+                rows[j].0[i] = t;
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> Self {
+        Self::from_fn(|i| bf16_to_f32(p.add(i).read_unaligned()))
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> Self {
+        Self::from_fn(|i| f16_to_f32(p.add(i).read_unaligned()))
+    }
+    #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> Self {
+        Self::from_fn(|i| *p.add(i) as f32)
+    }
+    #[inline(always)]
+    unsafe fn load_e4m3(p: *const u8) -> Self {
+        Self::from_fn(|i| e4m3_to_f32(*p.add(i)))
+    }
+    #[inline(always)]
+    unsafe fn load_e5m2(p: *const u8) -> Self {
+        Self::from_fn(|i| e5m2_to_f32(*p.add(i)))
+    }
+}
+
+// ---------------------------------------------------------------- AVX-512
+
+#[cfg(target_arch = "x86_64")]
+pub use avx::Avx512;
+
+#[cfg(target_arch = "x86_64")]
+mod avx {
+    use super::{Simd, W};
+    use std::arch::x86_64::*;
+
+    /// The AVX-512 instance (needs avx512f/bw/dq/vl; checked in `lib.rs`); `BF`: the CPU has
+    /// AVX-512 BF16 too, and the caller was compiled with it (bf16 K rows dotted without
+    /// widening).
+    #[derive(Clone, Copy)]
+    pub struct Avx512<const BF: bool>(pub __m512);
+
+    /// Sum each of 16 vectors into one lane: four levels of 128-bit / 32-bit / 64-bit shuffles
+    /// and adds (45 instructions for 16 sums). Output lane `4q + e` holds the sum of input `4e + q`.
+    #[inline(always)]
+    unsafe fn reduce16(v: &[__m512; W]) -> __m512 {
+        let a: [__m512; 8] = std::array::from_fn(|i| {
+            _mm512_add_ps(
+                shuf::<0x44>(v[2 * i], v[2 * i + 1]),
+                shuf::<0xee>(v[2 * i], v[2 * i + 1]),
+            )
+        });
+        let b: [__m512; 4] = std::array::from_fn(|i| {
+            _mm512_add_ps(
+                shuf::<0x88>(a[2 * i], a[2 * i + 1]),
+                shuf::<0xdd>(a[2 * i], a[2 * i + 1]),
+            )
+        });
+        let c: [__m512; 2] = std::array::from_fn(|i| {
+            _mm512_add_ps(
+                _mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]),
+                _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]),
+            )
+        });
+        _mm512_add_ps(lo_pd(c[0], c[1]), hi_pd(c[0], c[1]))
+    }
+
+    #[inline(always)]
+    unsafe fn shuf<const IMM: i32>(a: __m512, b: __m512) -> __m512 {
+        _mm512_shuffle_f32x4::<IMM>(a, b)
+    }
+    #[inline(always)]
+    unsafe fn lo_pd(a: __m512, b: __m512) -> __m512 {
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)))
+    }
+    #[inline(always)]
+    unsafe fn hi_pd(a: __m512, b: __m512) -> __m512 {
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)))
+    }
+
+    impl<const BF: bool> Simd for Avx512<BF> {
+        const DPBF16: bool = BF;
+        #[inline(always)]
+        unsafe fn store_bf16x2(lo: Self, hi: Self, p: *mut u16) {
+            let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi.0, lo.0));
+            _mm512_storeu_si512(p as *mut _, packed)
+        }
+        #[inline(always)]
+        unsafe fn dot16_bf16(q: *const u16, k: &[*const u8; W], d: usize) -> Self {
+            let mut acc = [_mm512_setzero_ps(); W];
+            for (slot, a) in acc.iter_mut().enumerate() {
+                let kp = k[(slot % 4) * 4 + slot / 4] as *const u16; // reduce16's lane order
+                let mut c = 0;
+                while c < d {
+                    let qv: __m512bh =
+                        std::mem::transmute(_mm512_loadu_si512(q.add(c) as *const _));
+                    let kv: __m512bh =
+                        std::mem::transmute(_mm512_loadu_si512(kp.add(c) as *const _));
+                    *a = _mm512_dpbf16_ps(*a, qv, kv);
+                    c += 32;
+                }
+            }
+            Avx512(reduce16(&acc))
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Avx512(_mm512_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Avx512(_mm512_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm512_storeu_ps(p, self.0)
+        }
+        #[inline(always)]
+        unsafe fn add(self, o: Self) -> Self {
+            Avx512(_mm512_add_ps(self.0, o.0))
+        }
+        #[inline(always)]
+        unsafe fn mul(self, o: Self) -> Self {
+            Avx512(_mm512_mul_ps(self.0, o.0))
+        }
+        #[inline(always)]
+        unsafe fn fma(self, b: Self, c: Self) -> Self {
+            Avx512(_mm512_fmadd_ps(self.0, b.0, c.0))
+        }
+        #[inline(always)]
+        unsafe fn hmax(self) -> f32 {
+            _mm512_reduce_max_ps(self.0)
+        }
+        #[inline(always)]
+        unsafe fn hsum(self) -> f32 {
+            _mm512_reduce_add_ps(self.0)
+        }
+        /// e^x = 2^n * e^f with n = round(x log2 e) and f = x - n ln 2 in two steps (Cody-Waite,
+        /// |f| <= ln2 / 2), e^f by a degree-7 Taylor polynomial (relative error ~2e-8), 2^n
+        /// applied with `scalef`.
+        #[inline(always)]
+        unsafe fn exp(self) -> Self {
+            let x = _mm512_max_ps(self.0, _mm512_set1_ps(-104.0));
+            let x = _mm512_min_ps(x, _mm512_set1_ps(88.7));
+            let t = _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E));
+            let n = _mm512_roundscale_ps::<0x08>(t); // nearest, no exceptions
+            let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x); // ln 2 high bits
+            let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), f); // ln 2 - high
+            let mut p = _mm512_set1_ps(1.0 / 5040.0);
+            for c in [
+                1.0 / 720.0,
+                1.0 / 120.0,
+                1.0 / 24.0,
+                1.0 / 6.0,
+                0.5,
+                1.0,
+                1.0,
+            ] {
+                p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+            }
+            Avx512(_mm512_scalef_ps(p, n))
+        }
+        #[inline(always)]
+        unsafe fn select(self, mask: u16, other: Self) -> Self {
+            Avx512(_mm512_mask_blend_ps(mask, other.0, self.0))
+        }
+        /// Four stages: 32-bit unpacks, 64-bit unpacks, then two 128-bit lane shuffles.
+        #[inline(always)]
+        unsafe fn transpose(rows: &mut [Self; W]) {
+            let r: [__m512; W] = std::array::from_fn(|i| rows[i].0);
+            let mut t = [_mm512_setzero_ps(); W];
+            for i in 0..8 {
+                t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            let mut u = [_mm512_setzero_ps(); W];
+            for i in 0..4 {
+                let b = 4 * i;
+                u[b] = lo_pd(t[b], t[b + 2]);
+                u[b + 1] = hi_pd(t[b], t[b + 2]);
+                u[b + 2] = lo_pd(t[b + 1], t[b + 3]);
+                u[b + 3] = hi_pd(t[b + 1], t[b + 3]);
+            }
+            let mut v = [_mm512_setzero_ps(); W];
+            for h in 0..2 {
+                let b = 8 * h;
+                for i in 0..4 {
+                    v[b + i] = shuf::<0x88>(u[b + i], u[b + 4 + i]);
+                    v[b + 4 + i] = shuf::<0xdd>(u[b + i], u[b + 4 + i]);
+                }
+            }
+            for i in 0..8 {
+                rows[i] = Avx512(shuf::<0x88>(v[i], v[8 + i]));
+                rows[8 + i] = Avx512(shuf::<0xdd>(v[i], v[8 + i]));
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u16) -> Self {
+            let h = _mm256_loadu_si256(p as *const __m256i);
+            Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+                _mm512_cvtepu16_epi32(h),
+            )))
+        }
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u16) -> Self {
+            Avx512(_mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)))
+        }
+        #[inline(always)]
+        unsafe fn load_i8(p: *const i8) -> Self {
+            let b = _mm_loadu_si128(p as *const __m128i);
+            Avx512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)))
+        }
+        #[inline(always)]
+        unsafe fn load_e4m3(p: *const u8) -> Self {
+            let x = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+            let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(x, _mm512_set1_epi32(0x80)));
+            let mag = _mm512_slli_epi32::<20>(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)));
+            let v = _mm512_mul_ps(
+                _mm512_castsi512_ps(mag),
+                _mm512_set1_ps(f32::from_bits(0x7b80_0000)),
+            );
+            Avx512(_mm512_castsi512_ps(_mm512_or_si512(
+                _mm512_castps_si512(v),
+                sign,
+            )))
+        }
+        #[inline(always)]
+        unsafe fn load_e5m2(p: *const u8) -> Self {
+            let x = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+            Avx512(_mm512_cvtph_ps(_mm256_slli_epi16::<8>(x)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversions_round_trip() {
+        for b in 0..=u16::MAX {
+            let x = f16_to_f32(b);
+            if !x.is_nan() {
+                assert_eq!(f32_to_f16(x), b, "{b:#x}");
+            }
+            let y = bf16_to_f32(b);
+            if !y.is_nan() {
+                assert_eq!(f32_to_bf16(y), b);
+            }
+        }
+        assert_eq!(e4m3_to_f32(0x7e), 448.0);
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3_to_f32(0xb8), -1.0);
+        assert_eq!(e5m2_to_f32(0x3c), 1.0);
+        assert_eq!(f32_to_bf16(1.0 + 2f32.powi(-8)), 0x3f80); // tie to even
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_matches_portable() {
+        if !crate::has_avx512() {
+            return;
+        }
+        unsafe { avx512_matches_portable_inner() }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn bf16_dot_products_match_scalar() {
+        if !crate::has_avx512() || !std::is_x86_feature_detected!("avx512bf16") {
+            return;
+        }
+        unsafe { bf16_dot_inner() }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
+    unsafe fn bf16_dot_inner() {
+        let d = 64;
+        let vals: Vec<u16> = (0..17 * d)
+            .map(|i| f32_to_bf16(((i * 7919) % 97) as f32 / 13.0 - 3.0))
+            .collect();
+        let q = &vals[16 * d..];
+        let k: [*const u8; W] = std::array::from_fn(|j| vals[j * d..].as_ptr() as *const u8);
+        let mut out = [0f32; W];
+        Avx512::<true>::dot16_bf16(q.as_ptr(), &k, d).store(out.as_mut_ptr());
+        for j in 0..W {
+            let want: f32 = (0..d)
+                .map(|e| bf16_to_f32(q[e]) * bf16_to_f32(vals[j * d + e]))
+                .sum();
+            assert!(
+                (out[j] - want).abs() < 1e-3 * want.abs().max(1.0),
+                "{j}: {} {want}",
+                out[j]
+            );
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma")]
+    unsafe fn avx512_matches_portable_inner() {
+        let data: Vec<f32> = (0..256).map(|i| (i as f32 * 0.37).sin() * 30.0).collect();
+        let mut a: [Avx512<false>; W] =
+            std::array::from_fn(|i| Avx512::load(data.as_ptr().add(i * W)));
+        let mut p: [Portable; W] =
+            std::array::from_fn(|i| Portable::load(data.as_ptr().add(i * W)));
+        Avx512::<false>::transpose(&mut a);
+        Portable::transpose(&mut p);
+        let mut out = [0f32; W];
+        for i in 0..W {
+            a[i].store(out.as_mut_ptr());
+            assert_eq!(out, p[i].0, "row {i}");
+        }
+        for i in 0..W {
+            let x = Avx512::<false>::load(data.as_ptr().add(i * W)).exp();
+            x.store(out.as_mut_ptr());
+            for j in 0..W {
+                let want = data[i * W + j].exp();
+                assert!(
+                    (out[j] - want).abs() <= 4e-7 * want.max(1e-30),
+                    "{} {} {}",
+                    data[i * W + j],
+                    out[j],
+                    want
+                );
+            }
+        }
+        let bytes: Vec<u8> = (0..=255u8).collect();
+        for chunk in bytes.chunks(W) {
+            Avx512::<false>::load_e4m3(chunk.as_ptr()).store(out.as_mut_ptr());
+            for (j, &b) in chunk.iter().enumerate() {
+                if b & 0x7f != 0x7f {
+                    assert_eq!(out[j], e4m3_to_f32(b), "{b:#x}");
+                }
+            }
+            Avx512::<false>::load_e5m2(chunk.as_ptr()).store(out.as_mut_ptr());
+            for (j, &b) in chunk.iter().enumerate() {
+                let want = e5m2_to_f32(b);
+                assert!(
+                    out[j] == want || (want.is_nan() && out[j].is_nan()),
+                    "{b:#x}"
+                );
+            }
+            Avx512::<false>::load_i8(chunk.as_ptr() as *const i8).store(out.as_mut_ptr());
+            assert_eq!(out[3], chunk[3] as i8 as f32);
+        }
+        let halves: Vec<u16> = (0..W as u16).map(|i| i * 4099).collect();
+        Avx512::<false>::load_f16(halves.as_ptr()).store(out.as_mut_ptr());
+        for j in 0..W {
+            let want = f16_to_f32(halves[j]);
+            assert!(out[j] == want || (want.is_nan() && out[j].is_nan()));
+        }
+        Avx512::<false>::load_bf16(halves.as_ptr()).store(out.as_mut_ptr());
+        for j in 0..W {
+            let want = bf16_to_f32(halves[j]);
+            assert!(out[j] == want || (want.is_nan() && out[j].is_nan()));
+        }
+    }
+}

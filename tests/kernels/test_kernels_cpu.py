@@ -1,0 +1,200 @@
+"""The native CPU kernel (backend "cpu") against the torch twin, its reference.
+
+Every layout the kernel serves (fp32 / bf16 / fp16 caches, int8 and fp8 quantized caches),
+sliding windows, soft-capping, ALiBi, block sizes 8-128 (odd ones too), queries starting
+mid-block, single tokens, requests with no query this step (empty rows), released blocks,
+forced split-KV, both code paths (AVX-512 where the CPU has it, and the portable one) and the
+three thread modes. Batches come from hypothesis; the cache's free slots hold NaN and the output
+starts as NaN (``make_batch``), so a stray read or an unwritten row fails.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import kvcore_kernels as kk
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from kernel_reference import make_batch
+from kvcore_kernels import attention_cpu, cpu_native
+from kvcore_kernels.quant import allocate_kv_caches
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="extension not built")
+
+TOL = {torch.float32: 3e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+HEADS = [(4, 4), (8, 2), (6, 1), (9, 3)]
+BLOCK_SIZES = [8, 12, 16, 32, 64, 128]
+QUANT = ["int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_tensor"]
+
+
+@pytest.fixture(params=["avx512", "portable"])
+def path(request, monkeypatch):
+    if request.param == "avx512" and not cpu_native.features().get("avx512"):
+        pytest.skip("no AVX-512 on this CPU")
+    monkeypatch.setattr(cpu_native.OPTIONS, "portable", request.param == "portable")
+    return request.param
+
+
+@st.composite
+def batches(draw):
+    reqs = draw(
+        st.lists(st.tuples(st.integers(0, 300), st.integers(0, 40)), min_size=1, max_size=6).filter(
+            lambda rs: any(q > 0 for _, q in rs)
+        )
+    )
+    reqs = [(c, q) if c + q > 0 else (0, 1) for c, q in reqs]
+    hq, hk = draw(st.sampled_from(HEADS))
+    return {
+        "reqs": reqs,
+        "num_q_heads": hq,
+        "num_kv_heads": hk,
+        "block_size": draw(st.sampled_from(BLOCK_SIZES)),
+        "head_dim": draw(st.sampled_from([16, 48, 64, 128])),
+        "dtype": draw(st.sampled_from(list(TOL))),
+        "window": draw(st.one_of(st.none(), st.integers(1, 100))),
+        "soft_cap": draw(st.one_of(st.none(), st.floats(1.0, 30.0))),
+        "alibi": draw(st.booleans()),
+        "split_keys": draw(st.sampled_from([None, None, 16, 48])),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+
+
+def _features(b, draw, device="cpu"):
+    gen = torch.Generator().manual_seed(draw["seed"] + 1)
+    alibi = torch.rand(b.query.shape[1], generator=gen) * 0.3 if draw["alibi"] else None
+    return {
+        "scale": b.query.shape[2] ** -0.5,
+        "sliding_window": draw["window"],
+        "soft_cap": draw["soft_cap"],
+        "alibi_slopes": alibi,
+    }
+
+
+def _compare(native, twin, dtype):
+    assert not torch.isnan(native).any(), "a row was left unwritten"
+    err = (native.float() - twin.float()).abs().max().item()
+    assert err <= TOL[dtype], f"max error {err} > {TOL[dtype]}"
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(draw=batches())
+def test_plain_cache_matches_twin(draw, path, monkeypatch):
+    monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", draw["split_keys"])
+    monkeypatch.setattr(cpu_native.OPTIONS, "fuse_heads", draw["seed"] % 2 == 0)
+    gen = torch.Generator().manual_seed(draw["seed"])
+    b = make_batch(
+        gen, draw["reqs"], block_size=draw["block_size"], num_q_heads=draw["num_q_heads"],
+        num_kv_heads=draw["num_kv_heads"], head_dim=draw["head_dim"], dtype=draw["dtype"],
+    )  # fmt: skip
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, b.block_size)
+    feats = _features(b, draw)
+    out = torch.full_like(b.query, float("nan"))
+    native = kk.paged_attention(b.query, b.kv_cache, meta, **feats, backend="cpu", out=out)
+    assert native is out
+    twin = kk.paged_attention(b.query, b.kv_cache, meta, **feats, backend="torch")
+    _compare(native, twin, draw["dtype"])
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(draw=batches(), fmt=st.sampled_from(QUANT))
+def test_quantized_cache_matches_twin(draw, fmt, path, monkeypatch):
+    monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", draw["split_keys"])
+    gen = torch.Generator().manual_seed(draw["seed"])
+    dtype, bs = draw["dtype"], draw["block_size"]
+    b = make_batch(
+        gen, draw["reqs"], block_size=bs, num_q_heads=draw["num_q_heads"],
+        num_kv_heads=draw["num_kv_heads"], head_dim=draw["head_dim"], dtype=dtype,
+    )  # fmt: skip
+    cache = allocate_kv_caches(
+        fmt, 1, b.kv_cache.shape[0], bs, draw["num_kv_heads"], draw["head_dim"], dtype, "cpu"
+    )[0]
+    table = b.block_table.long()
+    slots = torch.cat(
+        [table[r, torch.arange(len(k)) // bs] * bs + torch.arange(len(k)) % bs
+         for r, k in enumerate(b.keys)]
+    )  # fmt: skip
+    kk.store_kv(torch.cat(b.keys), torch.cat(b.values), cache, slots, backend="torch")
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, bs)
+    feats = _features(b, draw)
+    native = kk.paged_attention(b.query, cache, meta, **feats, backend="cpu")
+    twin = kk.paged_attention(b.query, cache, meta, **feats, backend="torch")
+    _compare(native, twin, dtype)
+
+
+@pytest.mark.parametrize("fuse_heads", [False, True])
+@pytest.mark.parametrize("mode", ["single", "omp", "rayon"])
+def test_thread_modes_and_splits_agree(mode, fuse_heads, monkeypatch, gen):
+    """Batch 1 over a long context splits the key range; every thread mode (and tasks of one
+    or of all KV heads) gives one answer."""
+    monkeypatch.setattr(cpu_native.OPTIONS, "mode", mode)
+    monkeypatch.setattr(cpu_native.OPTIONS, "fuse_heads", fuse_heads)
+    b = make_batch(gen, [(3000, 1), (0, 1), (700, 3)], block_size=16, num_q_heads=8,
+                   num_kv_heads=2, head_dim=64, dtype=torch.float32)  # fmt: skip
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        native = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.125, backend="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    twin = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.125, backend="torch")
+    _compare(native, twin, torch.float32)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_released_blocks_get_no_weight_and_are_not_read(window, gen, path):
+    """Null entries inside a sequence (retention): the twin's answer, the null block unread."""
+    b = make_batch(gen, [(200, 1), (90, 5), (130, 2)], block_size=16, num_q_heads=4,
+                   num_kv_heads=2, head_dim=32, dtype=torch.float32)  # fmt: skip
+    table = b.block_table.clone()
+    table[0, [1, 2, 5]] = 0
+    table[2, 0] = 0
+    b.kv_cache[0] = float("nan")  # the null block: reading it would poison the output
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, table, 16)
+    assert meta.num_released == 4
+    native = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.2, sliding_window=window,
+                                backend="cpu")  # fmt: skip
+    twin = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.2, sliding_window=window,
+                              backend="torch")  # fmt: skip
+    _compare(native, twin, torch.float32)
+
+
+def test_auto_picks_the_native_kernel_on_cpu_and_the_twin_for_block_mass(gen, monkeypatch):
+    b = make_batch(gen, [(20, 1), (0, 6)], block_size=8, num_q_heads=4, num_kv_heads=2,
+                   head_dim=32, dtype=torch.float32)  # fmt: skip
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 8)
+    calls = []
+    real = attention_cpu.paged_attention_cpu
+    monkeypatch.setattr(
+        attention_cpu, "paged_attention_cpu", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    kk.paged_attention(b.query, b.kv_cache, meta, scale=0.3)
+    assert calls == [1]
+    mass = torch.zeros(meta.block_table.shape, dtype=torch.float32)
+    kk.paged_attention(b.query, b.kv_cache, meta, scale=0.3, block_mass=mass)
+    kk.paged_attention(b.query, b.kv_cache, meta, scale=0.3, backend="cpu", block_mass=mass)
+    kk.paged_attention(b.query, b.kv_cache, meta, scale=0.3, backend="torch")
+    assert calls == [1], "block_mass and backend='torch' must run the twin"
+    assert mass.sum() > 0
+
+
+def test_cpu_backend_is_refused_for_cuda_tensors():
+    from kvcore_kernels.cache import check_backend
+
+    with pytest.raises(kk.KernelConfigError):
+        check_backend("cpu", torch.device("cuda", 0))
+    assert check_backend("cpu", torch.device("cpu")) == "cpu"
+
+
+def test_odd_head_dim_falls_back_to_the_twin(gen):
+    b = make_batch(gen, [(10, 2)], block_size=8, num_q_heads=2, num_kv_heads=1, head_dim=24,
+                   dtype=torch.float32)  # fmt: skip
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 8)
+    assert not attention_cpu.supports(b.kv_cache)
+    native = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.3, backend="cpu")
+    twin = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.3, backend="torch")
+    assert torch.equal(native, twin)
