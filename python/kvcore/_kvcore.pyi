@@ -732,9 +732,10 @@ def kv_snapshot(scheduler: Scheduler) -> dict[str, Any]:
     """One read-only picture of ``scheduler``'s KV state, taken under its lock in one call
     (O(blocks + table entries); the live dashboard's only call, ``kvcore.engine.inspect``).
     Keys: ``ref_counts`` (uint32 [num_blocks], null block included), ``cached`` (uint8
-    [num_blocks], 1 = in the prefix cache), ``req_ids`` (uint64 [R], live requests sorted),
-    ``namespaces`` / ``num_tokens`` / ``num_released`` (uint64 [R]: prefix-cache namespace,
-    tokens the table covers, entries released by retention), ``offsets`` (uint64 [R + 1]) and
-    ``blocks`` (uint32: request ``i``'s table is ``blocks[offsets[i]:offsets[i + 1]]``, released
+    [num_blocks], 1 = in the prefix cache), ``kv_ids`` (uint64 [R]: the KV tables, one per
+    sequence and KV group, sorted), ``req_ids`` (uint64 [R]: each table's request id, the
+    caller's), ``namespaces`` / ``num_tokens`` / ``num_released`` (uint64 [R]: prefix-cache
+    namespace, tokens the table covers, entries released by retention), ``offsets`` (uint64
+    [R + 1]) and ``blocks`` (uint32: table ``i`` is ``blocks[offsets[i]:offsets[i + 1]]``, released
     entries as the null block), ``num_l2_entries`` (int: blocks in the host tier) and
     ``stats`` (the ``SchedulerStats`` of the same instant)."""

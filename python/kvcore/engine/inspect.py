@@ -135,11 +135,14 @@ def build_view(raw: dict[str, Any], facts: dict[str, Any], tokenizer: Any) -> di
     owner_row = np.repeat(np.arange(len(per_req)), per_req)
     held = blocks > 0
     reqs = facts["reqs"]
-    # Requests by block: the first few owners of each held block, and each block's prefix.
-    owners: dict[int, list[int]] = {}
-    for row, b in zip(owner_row[held].tolist(), blocks[held].tolist(), strict=True):
-        owners.setdefault(b, []).append(row)
+    # Owners by block (a request once, whatever its samples and KV groups), first owner's prefix.
     group = max(1, -(-num_blocks // MAX_CELLS))
+    owners: dict[int, list[int]] = {}
+    if group == 1:  # hover names owners only where a cell is one block
+        for row, b in zip(owner_row[held].tolist(), blocks[held].tolist(), strict=True):
+            rows = owners.setdefault(b, [])
+            if not rows or reqs[rows[-1]] is not reqs[row] or reqs[row] is None:
+                rows.append(row)
     cells = _cells(states, group)
     names = [
         {
@@ -152,16 +155,23 @@ def build_view(raw: dict[str, Any], facts: dict[str, Any], tokenizer: Any) -> di
     ]
     # Hover text per cell: owners and the prefix of the first owner (cells of one block).
     hover: dict[int, str] = {}
-    if group == 1:
-        for b, rows in owners.items():
-            who = ", ".join(names[r]["id"] for r in rows[:4]) + (" …" if len(rows) > 4 else "")
-            hover[b - 1] = f"block {b}: {who} | {names[rows[0]]['prefix'][:60]!r}"
+    for b, rows in owners.items():
+        ids = list(dict.fromkeys(names[r]["id"] for r in rows))
+        who = ", ".join(ids[:4]) + (" …" if len(ids) > 4 else "")
+        hover[b - 1] = f"block {b}: {who} | {names[rows[0]]['prefix'][:60]!r}"
+    # Per tenant (cache_salt): distinct blocks held, requests, prefix hits.
     tenants: dict[str, dict[str, int]] = {}
-    for row, n in enumerate(np.bincount(owner_row[held], minlength=len(names)).tolist()):
-        key = names[row]["salt"] or "(shared)"
-        tenants.setdefault(key, {"blocks": 0, "requests": 0})
-        tenants[key]["blocks"] += n
-        tenants[key]["requests"] += 1
+    salt_of_row = [n["salt"] or "(shared)" for n in names]
+    salts = list(dict.fromkeys(salt_of_row))
+    if salts:  # distinct (tenant, block) pairs, vectorised
+        index = {x: k for k, x in enumerate(salts)}
+        t_of_row = np.asarray([index[x] for x in salt_of_row], np.int64)
+        pairs = np.unique(t_of_row[owner_row[held]] * (num_blocks + 1) + blocks[held])
+        per = np.bincount(pairs // (num_blocks + 1), minlength=len(salts)).tolist()
+        for salt, n in zip(salts, per, strict=True):
+            tenants[salt] = {"blocks": int(n), "requests": 0}
+    for salt, _rid in set(zip(salt_of_row, raw["req_ids"].tolist(), strict=True)):
+        tenants.setdefault(salt, {"blocks": 0, "requests": 0})["requests"] += 1
     for salt, hits in facts["tenant_hits"].items():
         tenants.setdefault(salt or "(shared)", {"blocks": 0, "requests": 0})["hits"] = hits
     for salt, tok in facts["tenant_hit_tokens"].items():
