@@ -27,7 +27,7 @@ import numpy as np
 
 FREE, CACHED, RUNNING, SHARED = 0, 1, 2, 3
 STATE_NAMES = ("free", "cached", "running", "shared")
-HEAD_TOKENS = 12  # prompt tokens kept per request / prefix, to name it
+HEAD_TOKENS = 32  # prompt tokens kept per request / prefix, to name it
 MAX_CELLS = 2048  # the map groups blocks into at most this many cells
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hmac
+import math
 import threading
 import time
 from importlib import resources
@@ -32,6 +33,11 @@ from kvcore.entrypoints.openai.protocol import ApiError
 STATIC = resources.files("kvcore.entrypoints.openai") / "static" / "dashboard"
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".txt": "text/plain"}
 HISTORY = 300  # points kept (5 minutes at one a second)
+
+
+def _finite(x: Any) -> float | None:
+    """A figure for JSON: None for a missing or non-finite one (an empty percentile is NaN)."""
+    return None if x is None or not math.isfinite(x) else round(float(x), 3)
 
 
 def _quantile(q: float, bounds: list[float], counts: list[float]) -> float | None:
@@ -139,9 +145,9 @@ class Dashboard:
             "loaded_blocks": int(st["loaded_blocks"]),
             "offloaded_blocks": int(st["offloaded_blocks"]),
             "fetched_blocks": int(st["fetched_blocks"]),
-            "fetch_p50_ms": fig.get("tier_fetch_p50_ms"),
-            "fetch_p95_ms": fig.get("tier_fetch_p95_ms"),
-            "load_p50_ms": fig.get("tier_load_p50_ms"),
+            "fetch_p50_ms": _finite(fig.get("tier_fetch_p50_ms")),
+            "fetch_p95_ms": _finite(fig.get("tier_fetch_p95_ms")),
+            "load_p50_ms": _finite(fig.get("tier_load_p50_ms")),
         }
 
     def _point(
