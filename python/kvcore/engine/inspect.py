@@ -19,6 +19,7 @@ Block states, one per block of the pool (the null block excluded)::
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,8 @@ class CacheLedger:
     remembered (least recently hit dropped first).
     """
 
-    def __init__(self, max_prefixes: int = 512):
+    def __init__(self, block_size: int = 1, max_prefixes: int = 512):
+        self.block_size = block_size
         self.reqs: dict[int, _Req] = {}
         self.prefixes: collections.OrderedDict[tuple, _Prefix] = collections.OrderedDict()
         self.max_prefixes = max_prefixes
@@ -73,16 +75,20 @@ class CacheLedger:
     def first_scheduled(self, internal_id: int, hit: int, tokens: list, now: float) -> None:
         """A request's prefix-cache hit of ``hit`` tokens at its first step."""
         info = self.reqs.get(internal_id)
-        if info is None or hit <= 0:
+        if info is None or hit < self.block_size:  # a prefix is at least one full block
             return
-        key = (info.salt, hit, hash(tuple(tokens[:hit])))
+        # A prefix is named by its first HEAD_TOKENS tokens: hits that differ only further on
+        # (a shared system prompt followed by different questions) count for one prefix.
+        head = tuple(tokens[: min(hit, HEAD_TOKENS)])
+        key = (info.salt, head)
         p = self.prefixes.get(key)
         if p is None:
-            p = self.prefixes[key] = _Prefix(info.salt, tuple(tokens[:HEAD_TOKENS]), hit)
+            p = self.prefixes[key] = _Prefix(info.salt, head, hit)
             if len(self.prefixes) > self.max_prefixes:
                 self.prefixes.popitem(last=False)
         else:
             self.prefixes.move_to_end(key)
+            p.num_tokens = max(p.num_tokens, hit)
         p.hits += 1
         p.last_use = now
         self.last_hit[internal_id] = key
@@ -99,7 +105,7 @@ class CacheLedger:
         return {
             "reqs": [reqs.get(i) for i in internal_ids.tolist()],
             "hit_keys": [self.last_hit.get(i) for i in internal_ids.tolist()],
-            "prefixes": sorted(self.prefixes.items(), key=lambda kv: -kv[1].hits)[:20],
+            "prefixes": sorted(self.prefixes.items(), key=lambda kv: -kv[1].hits)[:10],
             "tenant_hits": dict(self.tenant_hits),
             "tenant_hit_tokens": dict(self.tenant_hit_tokens),
             "tenant_requests": dict(self.tenant_requests),
@@ -114,7 +120,20 @@ def block_states(ref_counts: np.ndarray, cached: np.ndarray) -> np.ndarray:
     return st
 
 
+@functools.lru_cache(maxsize=4096)
+def _detok_cached(tokenizer: Any, head: tuple[int, ...]) -> str:
+    return _detok_uncached(tokenizer, head)
+
+
 def _detok(tokenizer: Any, head: tuple[int, ...]) -> str:
+    """The first tokens as text (cached: a running request is named once a second)."""
+    try:
+        return _detok_cached(tokenizer, head)
+    except TypeError:  # an unhashable tokenizer
+        return _detok_uncached(tokenizer, head)
+
+
+def _detok_uncached(tokenizer: Any, head: tuple[int, ...]) -> str:
     if tokenizer is None:
         return " ".join(map(str, head))
     try:

@@ -86,7 +86,8 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
         self._deferred_aborts: collections.deque[str] = collections.deque()
-        self.ledger = CacheLedger()  # what the dashboard names blocks by (engine/inspect.py)
+        # What the dashboard names blocks and prefixes by (kvcore.engine.inspect).
+        self.ledger = CacheLedger(self.cache_config.block_size)
 
     # ---- admission ----------------------------------------------------------------------
 
