@@ -106,6 +106,12 @@ def run_load(url: str, args: argparse.Namespace) -> float:
     return sum(out) / args.seconds
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Viewer:
     """A dashboard kept open during one window."""
 
@@ -159,17 +165,18 @@ def main(argv: list[str] | None = None) -> int:
         base: list[float] = []
         viewed: list[float] = []
         t_build = httpx.get(url + "/dashboard/api/state", timeout=30).json()["cost"]
-        wall_viewed = 0.0
+        wall_viewed = cpu_viewed = 0.0
         for r in range(args.repeats):
             for arm in "AB" if r % 2 == 0 else "BA":
                 if arm == "A":
                     tps = run_load(url, args)
                     base.append(tps)
                 else:
-                    t0 = time.monotonic()
+                    t0, c0 = time.monotonic(), cpu_seconds(proc.pid)
                     with Viewer(url, args.viewer):
                         tps = run_load(url, args)
                     wall_viewed += time.monotonic() - t0
+                    cpu_viewed += cpu_seconds(proc.pid) - c0
                     viewed.append(tps)
                 name = "no_viewer" if arm == "A" else f"viewer_{args.viewer}"
                 print(f"window_{r}_{name}_output_tok_per_s: {tps:.1f} tok/s", flush=True)
@@ -188,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dashboard_build_ms_per_s: {built_ms / max(wall_viewed, 1e-9):.2f} ms/s")
         print(f"dashboard_build_cpu_ms_per_picture: {cpu_ms / max(pictures, 1):.2f} ms")
         print(f"dashboard_build_cpu_ms_per_s: {cpu_ms / max(wall_viewed, 1e-9):.2f} ms/s")
+        print(f"server_cpu_ms_per_s_viewed: {1e3 * cpu_viewed / max(wall_viewed, 1e-9):.0f} ms/s")
+        share = 100 * cpu_ms / max(1e3 * cpu_viewed, 1e-9)
+        print(f"dashboard_share_of_server_cpu: {share:.3f} %")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
