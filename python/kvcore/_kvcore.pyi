@@ -26,6 +26,7 @@ __all__ = [
     "UnknownRequestError",
     "__version__",
     "copy_block_rows",
+    "kv_snapshot",
 ]
 
 # A 1-D integer array (any integer dtype), or a sequence of Python ints.
