@@ -130,9 +130,11 @@ class Viewer:
 
     def _run(self) -> None:
         if self.kind == "poll":
+            since = 0.0
             with httpx.Client(timeout=30) as c:
-                while not self._stop.wait(1.0):
-                    c.get(self.url + "/dashboard/api/state")
+                while not self._stop.wait(1.0):  # as the page: once a second, new points only
+                    d = c.get(self.url + f"/dashboard/api/state?since={since}").json()
+                    since = d["history"][-1]["t"] if d["history"] else since
             return
         from playwright.sync_api import sync_playwright
 

@@ -98,7 +98,9 @@ def test_picture_is_cached_and_cheap(llm):
     a = d.picture()
     assert d.picture() is a and d.num_built == 1  # many pages, one build per interval
     assert a["kv"]["build_ms"] < 50 and d.cost_s < 0.5
-    json.dumps(a)  # JSON-ready
+    body = json.loads(d.response(0.0))
+    assert body["kv"] == json.loads(json.dumps(a["kv"])) and len(body["history"]) == 1
+    assert json.loads(d.response(body["history"][-1]["t"]))["history"] == []  # only new points
 
 
 # ---- Grafana -------------------------------------------------------------------------------

@@ -163,7 +163,7 @@ def build_view(raw: dict[str, Any], facts: dict[str, Any], tokenizer: Any) -> di
             if not rows or reqs[rows[-1]] is not reqs[row] or reqs[row] is None:
                 rows.append(row)
     cells = _cells(states, group)
-    names = [
+    names: list[dict[str, Any]] = [
         {
             "id": r.request_id if r else f"#{int(i)}",
             "salt": r.salt if r else None,

@@ -6,6 +6,7 @@ const HEADERS = KEY ? { Authorization: "Bearer " + KEY } : {};
 const STATES = ["free", "cached", "running", "shared"];
 const COLORS = ["#2f6fb0", "#d64545", "#3a9a5b", "#f2a541", "#8a5cc2", "#6b7785", "#1aa3a3"];
 const charts = {};
+const history = [];  // metric points, newest last (the server sends only new ones)
 
 function lineChart(id, title, series, opts = {}) {
   const datasets = series.map((s, i) => ({
@@ -130,13 +131,17 @@ function drawTables(d) {
 
 async function poll() {
   try {
-    const res = await fetch("/dashboard/api/state", { headers: HEADERS, cache: "no-store" });
+    const since = history.length ? history[history.length - 1].t : 0;
+    const res = await fetch("/dashboard/api/state?since=" + since,
+      { headers: HEADERS, cache: "no-store" });
     if (!res.ok) throw new Error("HTTP " + res.status);
     const d = await res.json();
+    history.push(...d.history);
+    if (history.length > 300) history.splice(0, history.length - 300);
     document.getElementById("model").textContent = d.model;
     drawMap(d.kv);
     drawTables(d);
-    drawCharts(d.history);
+    drawCharts(history);
     const st = document.getElementById("status");
     st.textContent = `updated ${new Date(d.time * 1000).toLocaleTimeString()} · ` +
       `${d.kv.num_running} running, ${d.kv.num_waiting} waiting`;
