@@ -192,3 +192,34 @@ def test_static_files_are_package_data():
     assert "LICENSE.chart.js.txt" in names
     html = (STATIC / "index.html").read_text()
     assert "http://" not in html and "https://" not in html  # nothing from a CDN
+
+
+def test_inspect_from_another_thread_while_stepping(llm):
+    """The dashboard's thread reads while the engine thread steps: no error, counts consistent."""
+    import threading
+
+    engine = llm.engine
+    errors: list[BaseException] = []
+    views: list[dict] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                views.append(engine.inspect())
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for i in range(6):
+        engine.add_request(list(range(60, 90)) + [i], _greedy(12), cache_salt=f"s{i % 2}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    stop.set()
+    t.join(30)
+    assert not errors and views
+    for v in views:
+        assert sum(v["counts"].values()) == v["num_blocks"]
+        assert v["counts"]["free"] + v["counts"]["cached"] == v["num_free_blocks"]
+    engine.scheduler.check_invariants()
