@@ -1,7 +1,7 @@
 """Type stubs for the Rust extension ``kvcore._kvcore`` (kept honest by ``mypy.stubtest``)."""
 
 from collections.abc import Sequence
-from typing import Self, final
+from typing import Any, Self, final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -26,6 +26,7 @@ __all__ = [
     "UnknownRequestError",
     "__version__",
     "copy_block_rows",
+    "kv_snapshot",
 ]
 
 # A 1-D integer array (any integer dtype), or a sequence of Python ints.
@@ -727,3 +728,15 @@ def copy_block_rows(
     same row width per layer pair (NumPy views of the pool's and the host tier's tensors).
     Raises ``InvalidArgumentError`` (nothing copied) on a layer count or row width mismatch,
     an index out of range, a non-contiguous or aliased array."""
+
+def kv_snapshot(scheduler: Scheduler) -> dict[str, Any]:
+    """One read-only picture of ``scheduler``'s KV state, taken under its lock in one call
+    (O(blocks + table entries); the live dashboard's only call, ``kvcore.engine.inspect``).
+    Keys: ``ref_counts`` (uint32 [num_blocks], null block included), ``cached`` (uint8
+    [num_blocks], 1 = in the prefix cache), ``kv_ids`` (uint64 [R]: the KV tables, one per
+    sequence and KV group, sorted), ``req_ids`` (uint64 [R]: each table's request id, the
+    caller's), ``namespaces`` / ``num_tokens`` / ``num_released`` (uint64 [R]: prefix-cache
+    namespace, tokens the table covers, entries released by retention), ``offsets`` (uint64
+    [R + 1]) and ``blocks`` (uint32: table ``i`` is ``blocks[offsets[i]:offsets[i + 1]]``, released
+    entries as the null block), ``num_l2_entries`` (int: blocks in the host tier) and
+    ``stats`` (the ``SchedulerStats`` of the same instant)."""

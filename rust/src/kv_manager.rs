@@ -500,6 +500,10 @@ mod inspect;
 #[path = "kv_manager_retention.rs"]
 mod retention;
 
+#[path = "kv_manager_snapshot.rs"]
+mod snapshot;
+pub use snapshot::KvSnapshot;
+
 #[path = "tiers/manager.rs"]
 mod tier_manager;
 pub use tier_manager::TieredHit;

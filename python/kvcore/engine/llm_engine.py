@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvcore._kvcore import kv_snapshot
 from kvcore.engine.args import EngineArgs
 from kvcore.engine.builder import build
 from kvcore.engine.inputs import (
@@ -44,6 +45,7 @@ from kvcore.engine.inputs import (
     priorities,
     prompt_ids,
 )
+from kvcore.engine.inspect import CacheLedger, build_view
 from kvcore.engine.request import Request, salt_namespace, submit
 from kvcore.errors import (
     DuplicateRequestError,
@@ -95,6 +97,8 @@ class LLMEngine:
         # A plan whose forward failed in one caller's step, to run again (under _step_lock).
         self._replay: Any = None
         self._replay_failures = 0
+        # What the dashboard names blocks and prefixes by (kvcore.engine.inspect).
+        self.ledger = CacheLedger(self.cache_config.block_size)
 
     # ---- admission ----------------------------------------------------------------------
 
@@ -127,9 +131,8 @@ class LLMEngine:
         if ids is not None and len(set(ids)) != n:
             raise InvalidArgumentError("request_ids must be unique, one per prompt")
         prios = priorities(priority, n)
-        namespaces = [
-            salt_namespace(x, self._salt_key) for x in broadcast(cache_salt, n, "cache_salt")
-        ]
+        salts = broadcast(cache_salt, n, "cache_salt")
+        namespaces = [salt_namespace(x, self._salt_key) for x in salts]
         policies = self.retention.resolve(retention, n)
         kept = self.retention.blocks(policies)
         built = []
@@ -165,6 +168,8 @@ class LLMEngine:
             )
             for i, pol in zip(internal, policies, strict=True):
                 self.h2o.add(i, pol)
+            for i, rid, salt, pol, b in zip(internal, ids, salts, policies, built, strict=True):
+                self.ledger.admitted(i, rid, salt, pol.kind, b[1])
             for i, rid, (text, tokens, p) in zip(internal, ids, built, strict=True):
                 req = Request.create(
                     rid, i, text, tokens, p, now, self.sampler, self.tokenizer, stream=stream
@@ -228,6 +233,15 @@ class LLMEngine:
         swap-outs/ins); empty without tiers."""
         with self._lock:
             return {} if self.tiers is None else self.tiers.figures(self.scheduler)
+
+    def inspect(self) -> dict[str, Any]:
+        """A read-only picture of the KV cache for the dashboard (``kvcore.engine.inspect``):
+        one Rust snapshot under the state lock, the view built outside it."""
+        with self._lock:
+            raw = kv_snapshot(self.scheduler)
+            facts = self.ledger.copy_for(raw["req_ids"])
+        raw["block_size"] = self.cache_config.block_size
+        return build_view(raw, facts, self.tokenizer)
 
     # ---- the step loop ------------------------------------------------------------------
 
@@ -351,6 +365,7 @@ class LLMEngine:
             if rid in self._unscheduled:
                 reqs[rid].metrics.first_scheduled_time = start
                 reqs[rid].num_cached_tokens = int(hit)
+                self.ledger.first_scheduled(rid, int(hit), reqs[rid].prompt_token_ids, start)
                 self._unscheduled.discard(rid)
 
     def _finish_step(
@@ -447,6 +462,7 @@ class LLMEngine:
     def _retire(self, internal_id: int, now: float) -> RequestOutput:
         req = self._requests.pop(internal_id)
         self.h2o.forget(internal_id)
+        self.ledger.retired(internal_id)
         del self._ids[req.request_id]
         self._unscheduled.discard(internal_id)
         req.release(self.sampler)

@@ -17,6 +17,7 @@ mod manager_args;
 mod rows;
 mod sched_args;
 mod scheduler;
+mod snapshot;
 mod step_output;
 mod tiers;
 
@@ -28,5 +29,6 @@ fn _kvcore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyKvCacheManager>()?;
     scheduler::register(m)?;
     m.add_function(wrap_pyfunction!(rows::copy_block_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(snapshot::kv_snapshot, m)?)?;
     Ok(())
 }

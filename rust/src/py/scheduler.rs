@@ -28,7 +28,7 @@ type I64Array = Py<numpy::PyArray1<i64>>;
 /// The continuous-batching scheduler (documented in `_kvcore.pyi`).
 #[pyclass(name = "Scheduler", module = "kvcore._kvcore", frozen)]
 pub struct PyScheduler {
-    inner: Shared<Scheduler>,
+    pub(super) inner: Shared<Scheduler>,
     /// A copy of the (immutable) configuration, read without the lock.
     cfg: SchedulerConfig,
 }

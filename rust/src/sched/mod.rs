@@ -29,6 +29,7 @@ mod config;
 mod invariants;
 #[cfg(test)]
 mod proptests;
+mod snapshot;
 mod step;
 #[cfg(test)]
 mod tests;

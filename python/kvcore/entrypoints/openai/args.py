@@ -37,6 +37,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         choices=("kvcore", "vllm"),
         help="metric names: kvcore:* or vllm:*",
     )
+    p.add_argument(
+        "--no-dashboard",
+        dest="dashboard",
+        action="store_false",
+        help="turn off the live page /dashboard (docs/serving.md, Dashboard)",
+    )
     p.add_argument("--shutdown-grace-s", type=at.float_in(0, 3600), default=10.0)
     p.add_argument(
         "--log-level", default="warning", choices=("debug", "info", "warning", "error", "critical")

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from kvcore.engine.async_engine import AsyncEngine
-from kvcore.entrypoints.openai import responses, serving
+from kvcore.entrypoints.openai import dashboard, responses, serving
 from kvcore.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvcore.entrypoints.openai.protocol import (
     ApiError,
@@ -184,6 +184,8 @@ def build_app(state: ServerState) -> FastAPI:
         req = parse_body(ChatCompletionRequest, await read_body(state, request))
         return await _complete(state, request, serving.prepare_chat(state, req))
 
+    if getattr(state, "dashboard", None) is not None:  # entrypoints/openai/dashboard.py
+        dashboard.mount(app, state, state.dashboard)
     return app
 
 
@@ -207,7 +209,7 @@ def make_state(engine: Any, args: Any) -> ServerState:
     metrics = ServerMetrics(name, args.metrics_prefix, info)
     max_n = min(args.max_n, engine.scheduler_config.max_num_seqs)
     tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
-    return ServerState(
+    state = ServerState(
         engine=AsyncEngine(engine, metrics=metrics),
         tokenizer=tokenizer,
         model_name=name,
@@ -219,6 +221,9 @@ def make_state(engine: Any, args: Any) -> ServerState:
         max_body_bytes=args.max_body_bytes,
         metrics=metrics,
     )
+    if getattr(args, "dashboard", True):  # --no-dashboard turns /dashboard off
+        state.dashboard = dashboard.Dashboard(state)  # type: ignore[attr-defined]
+    return state
 
 
 def run_server(state: ServerState, host: str, port: int, grace_s: float, log_level: str) -> int:
