@@ -22,7 +22,7 @@ use super::manager_args::{
 };
 use crate::error::{KvError, KvResult};
 use crate::kv_manager::{KvManager, KvManagerConfig, PrefixHit, MAX_BLOCKS, MAX_BLOCK_SIZE};
-use crate::prefix_cache::PrefixMode;
+use crate::prefix::PrefixMode;
 
 /// Python wrapper of [`KvManager`], exposed as `kvcore.KvCacheManager`.
 #[pyclass(name = "KvCacheManager", module = "kvcore._kvcore", frozen)]

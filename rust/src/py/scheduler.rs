@@ -19,7 +19,7 @@ use super::lock::Shared;
 use super::sched_args::{sampled_tokens, split};
 use super::step_output::{PySchedulerStats, PyStepOutput, PyStepPlan};
 use crate::error::KvError;
-use crate::prefix_cache::PrefixMode;
+use crate::prefix::PrefixMode;
 use crate::request::{NewRequest, Retention};
 use crate::sched::{Policy, Scheduler, SchedulerConfig};
 

@@ -30,14 +30,19 @@
 //! Errors change nothing: every call validates before it mutates. Running out of blocks is
 //! `Ok(false)`, also with nothing changed; blocks are evicted only by a call that succeeds.
 //! Costs: O(blocks touched) per call, plus the prefix cache's match/insert cost.
+//!
+//! Files: this one (admission, growth, caching, free, eviction), `inspect` (read-only queries
+//! and `check_invariants`), `retention` (releasing blocks no later step reads), `tiers` (the
+//! manager's side of the KV tiers), `tree_check` (tier checks for tests), and the tests
+//! (`tests`, `trust_tests`, `props`).
 
 use std::collections::HashMap;
 
 use crate::block_pool::{BlockPool, NULL_BLOCK};
 use crate::block_table::{blocks_for, BlockTable};
 use crate::error::{KvError, KvResult};
-use crate::prefix_cache::{PrefixCache, PrefixMode};
-use crate::radix_cache::InsertOutcome;
+use crate::prefix::radix::InsertOutcome;
+use crate::prefix::{PrefixCache, PrefixMode};
 
 /// Largest pool a manager accepts (2^26 blocks: ~1 billion tokens at block size 16, under
 /// 1 GiB of bookkeeping), so a bad argument cannot ask for an allocation that aborts.
@@ -432,7 +437,7 @@ impl KvManager {
             self.drop_evicted_slots(&mut dropped);
             self.cache.evict(b, slot, &mut dropped);
             dropped.retain(|&x| x != b);
-            // Rare (see radix_cache): a canonical order keeps the free queue deterministic.
+            // Rare (see prefix::radix): a canonical order keeps the free queue deterministic.
             dropped.sort_unstable();
             for &x in &dropped {
                 self.pool.set_cached(x, false);
@@ -494,27 +499,15 @@ impl KvManager {
     }
 }
 
-#[path = "kv_manager_inspect.rs"]
 mod inspect;
-
-#[path = "kv_manager_retention.rs"]
 mod retention;
-
-#[path = "tiers/manager.rs"]
-mod tier_manager;
-pub use tier_manager::TieredHit;
-
-#[path = "tiers/tree_check.rs"]
+mod tiers;
+pub use tiers::TieredHit;
 mod tree_check;
 
 #[cfg(test)]
-#[path = "kv_manager_tests.rs"]
-mod tests;
-
-#[cfg(test)]
-#[path = "kv_manager_props.rs"]
 mod props;
-
 #[cfg(test)]
-#[path = "kv_manager_trust_tests.rs"]
+mod tests;
+#[cfg(test)]
 mod trust_tests;
