@@ -4,13 +4,35 @@
 //!
 //! An int is anything with `__index__` (Python and NumPy integers) except a bool; a value
 //! outside the target range is refused with the range in the message.
+//!
+//! Layering: `errors` ← `args` ← `arrays` ← the classes. This file uses only `errors`;
+//! `arrays` builds on it (`int64`, `describe`), never the other way round.
 
+use numpy::{PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyString};
 
-use super::arrays::{describe, invalid};
+use super::errors::invalid;
 use crate::kv_manager::MAX_ID;
+
+/// Describes what `obj` is, for error messages.
+pub(crate) fn describe(obj: &Bound<'_, PyAny>) -> String {
+    match obj.cast::<PyUntypedArray>() {
+        Ok(a) => format!(
+            "a {}-D array of dtype {}",
+            a.ndim(),
+            a.dtype().str().map(|s| s.to_string()).unwrap_or_default()
+        ),
+        Err(_) => format!(
+            "an object of type {}",
+            obj.get_type()
+                .name()
+                .map(|s| s.to_string())
+                .unwrap_or_default()
+        ),
+    }
+}
 
 /// A short `repr` of `obj` for messages (huge ints are cut).
 fn short_repr(obj: &Bound<'_, PyAny>) -> String {

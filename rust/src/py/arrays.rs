@@ -5,36 +5,14 @@
 //! other integer dtypes and sequences are copied with a range check. Per-request arrays (ids,
 //! counts, offsets) are small and copied into `Vec`s. Every failure is an
 //! `InvalidArgumentError` naming the argument (never a `TypeError` or `OverflowError`).
+//! Built on the scalar parsers of `args`; `args` does not use this file.
 
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::args::int64;
-use crate::error::KvError;
+use super::args::{describe, int64};
+use super::errors::invalid;
 use crate::kv_manager::MAX_ID;
-
-/// An `InvalidArgumentError` with `msg`.
-pub(crate) fn invalid(msg: String) -> PyErr {
-    KvError::InvalidArgument(msg).into()
-}
-
-/// Describes what `obj` is, for error messages.
-pub(crate) fn describe(obj: &Bound<'_, PyAny>) -> String {
-    match obj.cast::<PyUntypedArray>() {
-        Ok(a) => format!(
-            "a {}-D array of dtype {}",
-            a.ndim(),
-            a.dtype().str().map(|s| s.to_string()).unwrap_or_default()
-        ),
-        Err(_) => format!(
-            "an object of type {}",
-            obj.get_type()
-                .name()
-                .map(|s| s.to_string())
-                .unwrap_or_default()
-        ),
-    }
-}
 
 /// Reads a 1-D NumPy integer array (any integer dtype) as i64; `None` if `obj` is no array.
 fn int_array(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Option<Vec<i64>>> {

@@ -1,7 +1,8 @@
 //! Maps `KvError` to the Python exception hierarchy rooted at `KvCoreError`.
 //!
 //! One class per variant, all subclasses of `KvCoreError` (itself an `Exception`), so callers can
-//! catch the family or one case. This is the only place the mapping lives.
+//! catch the family or one case. This is the only place the mapping lives; `invalid` is the
+//! shorthand the argument parsers (`args`, `arrays`, ...) raise with.
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -63,6 +64,11 @@ create_exception!(
     KvCoreError,
     "Corrupted internal state (a bug)."
 );
+
+/// An `InvalidArgumentError` with `msg`.
+pub(crate) fn invalid(msg: String) -> PyErr {
+    KvError::InvalidArgument(msg).into()
+}
 
 impl From<KvError> for PyErr {
     fn from(e: KvError) -> PyErr {

@@ -15,14 +15,15 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::args::{count, id, int64, int_in, or_default, text};
-use super::arrays::{counts, counts_for, ids, ids_for, int_batch, invalid, same_len};
+use super::arrays::{counts, counts_for, ids, ids_for, int_batch, same_len};
+use super::errors::invalid;
 use super::lock::Shared;
 use super::manager_args::{
     block_id, check_live, check_spans, consistent_repeats, token_spans, too_long, unique,
 };
 use crate::error::{KvError, KvResult};
 use crate::kv_manager::{KvManager, KvManagerConfig, PrefixHit, MAX_BLOCKS, MAX_BLOCK_SIZE};
-use crate::prefix_cache::PrefixMode;
+use crate::prefix::PrefixMode;
 
 /// Python wrapper of [`KvManager`], exposed as `kvcore.KvCacheManager`.
 #[pyclass(name = "KvCacheManager", module = "kvcore._kvcore", frozen)]

@@ -6,7 +6,8 @@ use std::collections::{HashMap, HashSet};
 
 use pyo3::prelude::*;
 
-use super::arrays::{counts, invalid, spans, tokens, Tokens};
+use super::arrays::{counts, spans, tokens, Tokens};
+use super::errors::invalid;
 use crate::error::{KvError, KvResult};
 use crate::kv_manager::KvManager;
 

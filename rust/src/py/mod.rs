@@ -2,9 +2,9 @@
 //!
 //! Each wrapper type is named `PyX` here and exposed as `X` in Python. Calls are batched:
 //! ids and counts cross as NumPy arrays (or int sequences), never as per-block Python objects.
-//! Every argument is parsed by hand (`args`, `arrays`), so bad input raises a `KvCoreError`
-//! subclass, never `TypeError`/`OverflowError`; the stateful classes sit behind a lock
-//! (`lock`) and are safe to share between threads.
+//! Every argument is parsed by hand (`args` for scalars, `arrays` on top of it), so bad input
+//! raises a `KvCoreError` subclass, never `TypeError`/`OverflowError`; the stateful classes
+//! sit behind a lock (`lock`) and are safe to share between threads.
 
 use pyo3::prelude::*;
 

@@ -6,7 +6,8 @@
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::arrays::{describe, invalid};
+use super::args::describe;
+use super::errors::invalid;
 use crate::tiers;
 
 fn layers<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Vec<Bound<'py, PyArray2<u8>>>> {

@@ -9,7 +9,7 @@ use numpy::prelude::*;
 use numpy::{PyArray1, PyUntypedArray};
 use pyo3::prelude::*;
 
-use super::arrays::invalid;
+use super::errors::invalid;
 
 /// Splits `flat` by `offsets` ([k + 1], starting at 0, non-decreasing, ending at len).
 pub(crate) fn split(

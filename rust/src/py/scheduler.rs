@@ -14,12 +14,13 @@ use std::time::Instant;
 use pyo3::prelude::*;
 
 use super::args::{count, flag, id, int_in, or_default, real, text};
-use super::arrays::{conv_all, int_batch, ints, ints_or_scalar, invalid};
+use super::arrays::{conv_all, int_batch, ints, ints_or_scalar};
+use super::errors::invalid;
 use super::lock::Shared;
 use super::sched_args::{sampled_tokens, split};
 use super::step_output::{PySchedulerStats, PyStepOutput, PyStepPlan};
 use crate::error::KvError;
-use crate::prefix_cache::PrefixMode;
+use crate::prefix::PrefixMode;
 use crate::request::{NewRequest, Retention};
 use crate::sched::{Policy, Scheduler, SchedulerConfig};
 

@@ -9,7 +9,7 @@ use numpy::ndarray::Array2;
 use numpy::{PyArray1, PyArray2};
 use pyo3::prelude::*;
 
-use super::arrays::invalid;
+use super::errors::invalid;
 use crate::error::KvError;
 use crate::tiers::{BlockKey, Preemption, TierConfig, TierOps};
 

@@ -5,7 +5,7 @@
 //! admission keeps free, converted once to a block count.
 
 use crate::error::{KvError, KvResult};
-use crate::prefix_cache::PrefixMode;
+use crate::prefix::PrefixMode;
 
 /// Most KV cache groups (block tables per sequence).
 pub const MAX_GROUPS: usize = 16;

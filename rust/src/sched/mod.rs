@@ -33,8 +33,7 @@ mod snapshot;
 mod step;
 #[cfg(test)]
 mod tests;
-#[path = "../tiers/sched.rs"]
-mod tier_sched;
+mod tiers;
 mod update;
 mod window;
 #[cfg(test)]
@@ -47,7 +46,7 @@ pub use step::StepPlan;
 
 use crate::error::{KvError, KvResult};
 use crate::kv_manager::{KvManager, KvManagerConfig};
-use crate::prefix_cache::PrefixMode;
+use crate::prefix::PrefixMode;
 use crate::request::{FinishReason, FinishedSeq, NewRequest, Seq, SeqKey, SeqStatus};
 
 /// Counters readable at any time.

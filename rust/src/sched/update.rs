@@ -137,7 +137,7 @@ impl Scheduler {
     /// Hands newly completed full blocks of a running sequence to the prefix cache.
     fn cache_full_blocks(&mut self, idx: usize) -> KvResult<()> {
         let bs = self.cfg.block_size as usize;
-        if self.cfg.prefix_mode == crate::prefix_cache::PrefixMode::Off {
+        if self.cfg.prefix_mode == crate::prefix::PrefixMode::Off {
             return Ok(());
         }
         let seq = self.seqs[idx].as_mut().expect("live");

@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use proptest::prelude::*;
 
 use super::{BlockKey, Preemption, TierConfig};
-use crate::prefix_cache::PrefixMode;
-use crate::radix_cache::{NO_BLOCK, NO_SLOT};
+use crate::prefix::radix::{NO_BLOCK, NO_SLOT};
+use crate::prefix::PrefixMode;
 use crate::request::{FinishReason, NewRequest};
 use crate::sched::{Scheduler, SchedulerConfig, StepPlan};
 

@@ -15,7 +15,7 @@
 //! token ids and a hash match counts only when they are equal (a collision is a miss and the
 //! colliding block stays uncached), so a hash alone never reuses a block.
 //!
-//! Tiers (`hash_tiers.rs`): an entry is `(L1 block, L2 slot)`, either may be absent; an entry
+//! Tiers (`tiers.rs`): an entry is `(L1 block, L2 slot)`, either may be absent; an entry
 //! whose block was evicted and written back to L2 stays with its slot, a block loaded back takes
 //! its entry again, and an entry with neither is removed.
 //!
@@ -33,7 +33,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use xxhash_rust::xxh3::xxh3_128;
 
 use crate::block_pool::NULL_BLOCK;
-use crate::radix_cache::{InsertOutcome, NO_BLOCK, NO_SLOT};
+use crate::prefix::radix::{InsertOutcome, NO_BLOCK, NO_SLOT};
 
 /// Parent hash of the first block of every sequence.
 pub const ROOT_HASH: u128 = 0;
@@ -240,7 +240,6 @@ impl HashCache {
     }
 }
 
-#[path = "hash_tiers.rs"]
 mod tiers;
 
 #[cfg(test)]

@@ -72,7 +72,7 @@ impl KvManager {
 #[cfg(test)]
 mod tests {
     use crate::kv_manager::{KvManager, KvManagerConfig, PrefixHit};
-    use crate::prefix_cache::PrefixMode;
+    use crate::prefix::PrefixMode;
 
     fn mgr(mode: PrefixMode) -> KvManager {
         KvManager::new(KvManagerConfig {

@@ -215,8 +215,9 @@ fn hash_mode_matches_full_blocks_with_stable_hashes() {
     let b: Vec<u32> = (0..6).chain([40, 41]).collect();
     assert_eq!(admit_prompt(&mut m, 2, 3, &b), (true, 4));
     let mut scratch = Vec::new();
-    let h0 = crate::hash_cache::block_hash(crate::hash_cache::ROOT_HASH, 3, &a[..4], &mut scratch);
-    let h1 = crate::hash_cache::block_hash(h0, 3, &a[4..8], &mut scratch);
+    let h0 =
+        crate::prefix::hash::block_hash(crate::prefix::hash::ROOT_HASH, 3, &a[..4], &mut scratch);
+    let h1 = crate::prefix::hash::block_hash(h0, 3, &a[4..8], &mut scratch);
     assert_eq!(m.block_hash(1), Some(h0));
     assert_eq!(m.block_hash(2), Some(h1));
     // Fixed value: hashes must not change between processes or releases.
@@ -229,7 +230,7 @@ fn hash_mode_matches_full_blocks_with_stable_hashes() {
     assert_eq!(h0, xxhash_rust::xxh3::xxh3_128(&bytes));
     assert_ne!(
         h0,
-        crate::hash_cache::block_hash(0, 4, &a[..4], &mut scratch)
+        crate::prefix::hash::block_hash(0, 4, &a[..4], &mut scratch)
     );
 }
 

@@ -7,7 +7,7 @@
 
 use super::{CacheStats, KvManager};
 use crate::error::{KvError, KvResult};
-use crate::prefix_cache::PrefixMode;
+use crate::prefix::PrefixMode;
 
 impl KvManager {
     /// Tokens per block.

@@ -9,8 +9,8 @@
 
 use super::KvManager;
 use crate::error::{KvError, KvResult};
-use crate::prefix_cache::PrefixCache;
-use crate::radix_cache::{NO_BLOCK, NO_SLOT};
+use crate::prefix::radix::{NO_BLOCK, NO_SLOT};
+use crate::prefix::PrefixCache;
 use crate::tiers::{chain_from_root, SlotState};
 
 impl KvManager {

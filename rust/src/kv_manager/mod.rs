@@ -30,14 +30,20 @@
 //! Errors change nothing: every call validates before it mutates. Running out of blocks is
 //! `Ok(false)`, also with nothing changed; blocks are evicted only by a call that succeeds.
 //! Costs: O(blocks touched) per call, plus the prefix cache's match/insert cost.
+//!
+//! Files: this one (admission, growth, free, fork, copy ops), `caching` (prefix lookups,
+//! publishing computed blocks, eviction), `inspect` (read-only queries and `check_invariants`),
+//! `snapshot` (the dashboard's one read-only picture in flat arrays),
+//! `retention` (releasing blocks no later step reads), `tiers` (the manager's side of the KV
+//! tiers), `tree_check` (tier checks for tests), and the tests (`tests`, `trust_tests`,
+//! `props`).
 
 use std::collections::HashMap;
 
 use crate::block_pool::{BlockPool, NULL_BLOCK};
 use crate::block_table::{blocks_for, BlockTable};
 use crate::error::{KvError, KvResult};
-use crate::prefix_cache::{PrefixCache, PrefixMode};
-use crate::radix_cache::InsertOutcome;
+use crate::prefix::{PrefixCache, PrefixMode};
 
 /// Largest pool a manager accepts (2^26 blocks: ~1 billion tokens at block size 16, under
 /// 1 GiB of bookkeeping), so a bad argument cannot ask for an allocation that aborts.
@@ -151,34 +157,6 @@ impl KvManager {
             scratch: Vec::new(),
             tiers: None,
         })
-    }
-
-    /// Longest cached prefix of `tokens` in `ns`, capped at `max_tokens` (callers pass
-    /// `len - 1` so the last prompt token is always computed). Counts a query; no other effect.
-    pub fn match_prefix(&mut self, ns: u64, tokens: &[u32], max_tokens: usize) -> PrefixHit {
-        let hit = self.lookup_prefix(ns, tokens, max_tokens);
-        self.record_query(tokens.len(), hit.num_tokens);
-        hit
-    }
-
-    /// `match_prefix` without counting a query: for callers that may retry the same request
-    /// (a scheduler's blocked queue head) and count it once, with `record_query`, when admitted.
-    pub fn lookup_prefix(&mut self, ns: u64, tokens: &[u32], max_tokens: usize) -> PrefixHit {
-        let mut blocks = Vec::new();
-        let n = self.cache.match_prefix(ns, tokens, max_tokens, &mut blocks);
-        PrefixHit {
-            num_tokens: n,
-            blocks,
-            ns,
-            epoch: self.epoch,
-        }
-    }
-
-    /// Counts one prefix query of `query_tokens` tokens that hit `hit_tokens` of them.
-    pub fn record_query(&mut self, query_tokens: usize, hit_tokens: usize) {
-        self.stats.queries += 1;
-        self.stats.query_tokens += query_tokens as u64;
-        self.stats.hit_tokens += hit_tokens as u64;
     }
 
     /// Admits `req`: refs the hit's blocks and allocates so its table covers
@@ -323,28 +301,6 @@ impl KvManager {
         Ok(true)
     }
 
-    /// `tokens` are `req`'s first tokens, all computed: its full blocks among them become
-    /// cached. Err if `req` is unknown, `tokens` is longer than its table covers, or they
-    /// disagree with the tokens `req` is known to hold (see [`KvManager::check_tokens`]).
-    pub fn cache_computed(&mut self, req: u64, tokens: &[u32]) -> KvResult<()> {
-        self.check_tokens(req, tokens)?;
-        self.cache_checked(req, tokens);
-        Ok(())
-    }
-
-    /// `cache_computed` for tokens that passed `check_tokens` (batch callers check first).
-    pub(crate) fn cache_checked(&mut self, req: u64, tokens: &[u32]) {
-        self.insert_computed(req, tokens);
-        if self.cache.mode() == PrefixMode::Off {
-            return;
-        }
-        let full = tokens.len() / self.block_size as usize * self.block_size as usize;
-        let t = self.tables.get_mut(&req).expect("checked above");
-        if full > t.tokens.len() {
-            t.tokens.extend_from_slice(&tokens[t.tokens.len()..full]);
-        }
-    }
-
     /// Releases `req`: caches the full blocks of `tokens` (its computed tokens; may be empty),
     /// then drops each block's reference, last block first, and cancels the pending copy ops
     /// that would write into a block nobody holds any more. Err (nothing changed): unknown id,
@@ -418,107 +374,20 @@ impl KvManager {
     fn table(&self, req: u64) -> KvResult<&BlockTable> {
         self.tables.get(&req).ok_or(KvError::UnknownRequest(req))
     }
-
-    /// Takes a block from the pool; the caller checked `num_free`. Evicts from the cache.
-    fn allocate_block(&mut self) -> u32 {
-        let (b, evicted) = self.pool.allocate().expect("caller checked num_free");
-        if evicted {
-            self.epoch += 1;
-            self.stats.evictions += 1;
-            self.scratch.clear();
-            let mut dropped = std::mem::take(&mut self.scratch);
-            // Write-back to L2 (an op applied before the forward); the entry keeps the slot.
-            let slot = self.tier_uncached(b, true);
-            self.drop_evicted_slots(&mut dropped);
-            self.cache.evict(b, slot, &mut dropped);
-            dropped.retain(|&x| x != b);
-            // Rare (see radix_cache): a canonical order keeps the free queue deterministic.
-            dropped.sort_unstable();
-            for &x in &dropped {
-                self.pool.set_cached(x, false);
-                self.tier_uncached(x, false);
-            }
-            self.scratch = dropped;
-        }
-        b
-    }
-
-    /// Offers `req`'s not yet offered full blocks within `tokens` to the cache (validated).
-    fn insert_computed(&mut self, req: u64, tokens: &[u32]) {
-        if self.cache.mode() == PrefixMode::Off {
-            return;
-        }
-        let bs = self.block_size as usize;
-        let t = self.tables.get_mut(&req).expect("validated by the caller");
-        if t.publish_closed {
-            return; // thinned by a lossy policy: its KV is not what the tokens would give
-        }
-        let n_full = tokens.len() / bs;
-        while t.num_cached_blocks < n_full {
-            let i = t.num_cached_blocks;
-            let b = t.blocks[i];
-            if b == NULL_BLOCK || (i > 0 && t.blocks[i - 1] == NULL_BLOCK) {
-                break; // released before it (or its parent) was published: the chain ends
-            }
-            if !self.copy_ops.is_empty() && self.copy_ops.iter().any(|op| op[1] == b) {
-                break; // a pending copy's destination: its KV is not there yet
-            }
-            if !self.pool.is_cached(b) {
-                let parent = if i == 0 { NULL_BLOCK } else { t.blocks[i - 1] };
-                match self.cache.insert_block(
-                    t.ns,
-                    parent,
-                    &tokens[i * bs..(i + 1) * bs],
-                    b,
-                    n_full - i - 1,
-                ) {
-                    InsertOutcome::Inserted => {
-                        self.pool.set_cached(b, true);
-                        if let Some(tiers) = self.tiers.as_mut() {
-                            let parent = (i > 0).then(|| t.blocks[i - 1]);
-                            tiers.cache_block(b, parent, t.ns, &tokens[..(i + 1) * bs]);
-                        }
-                    }
-                    InsertOutcome::Existing(c) if self.pool.ref_count(b) == 1 => {
-                        // Switch to the cached twin; our copy goes back to the free queue.
-                        self.pool.incref(c);
-                        self.pool.decref(b);
-                        t.blocks[i] = c;
-                        self.stats.deduplicated_blocks += 1;
-                    }
-                    InsertOutcome::Existing(_) | InsertOutcome::ParentNotCached => break,
-                }
-            }
-            t.num_cached_blocks += 1;
-        }
-    }
 }
 
-#[path = "kv_manager_inspect.rs"]
+mod caching;
 mod inspect;
-
-#[path = "kv_manager_retention.rs"]
 mod retention;
-
-#[path = "kv_manager_snapshot.rs"]
 mod snapshot;
 pub use snapshot::KvSnapshot;
-
-#[path = "tiers/manager.rs"]
-mod tier_manager;
-pub use tier_manager::TieredHit;
-
-#[path = "tiers/tree_check.rs"]
+mod tiers;
+pub use tiers::TieredHit;
 mod tree_check;
 
 #[cfg(test)]
-#[path = "kv_manager_tests.rs"]
-mod tests;
-
-#[cfg(test)]
-#[path = "kv_manager_props.rs"]
 mod props;
-
 #[cfg(test)]
-#[path = "kv_manager_trust_tests.rs"]
+mod tests;
+#[cfg(test)]
 mod trust_tests;

@@ -6,9 +6,12 @@
 //!
 //! Costs: those of `RadixCache` / `HashCache`; `Off` does nothing in O(1).
 
+pub mod hash;
+pub mod radix;
+
 use crate::error::{KvError, KvResult};
-use crate::hash_cache::HashCache;
-use crate::radix_cache::{InsertOutcome, RadixCache};
+use hash::HashCache;
+use radix::{InsertOutcome, RadixCache};
 
 /// Which prefix cache a manager runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,7 +11,7 @@
 //!                           └─ [b7 s8]     b4 and b7 differ somewhere in their tokens
 //! ```
 //!
-//! Tiers (see `radix_tiers.rs`): evicting an L1 block whose KV was written back to an L2 slot
+//! Tiers (see `tiers.rs`): evicting an L1 block whose KV was written back to an L2 slot
 //! turns its entry into an L2 entry (`evict(b, Some(slot))`); an L2 eviction (`drop_l2`) clears
 //! the slot; an entry with neither is removed at once, with everything below it (whose KV can
 //! no longer be reached), so the tree never outgrows L1 + L2. A block loaded back from L2
@@ -332,12 +332,8 @@ impl RadixCache {
     }
 }
 
-#[path = "radix_tiers.rs"]
+mod nodes;
 mod tiers;
 
-#[path = "radix_nodes.rs"]
-mod nodes;
-
 #[cfg(test)]
-#[path = "radix_cache_tests.rs"]
 mod tests;

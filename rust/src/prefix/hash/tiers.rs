@@ -10,7 +10,7 @@
 
 use super::{Entry, HashCache, ROOT_HASH};
 use crate::error::{KvError, KvResult};
-use crate::radix_cache::{NO_BLOCK, NO_SLOT};
+use crate::prefix::radix::{NO_BLOCK, NO_SLOT};
 
 impl HashCache {
     /// Entries that reference an L2 slot.
