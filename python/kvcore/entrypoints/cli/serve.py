@@ -35,6 +35,12 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-prefix", default="kvcore", help="kvcore | vllm (metric names)")
     p.add_argument("--shutdown-grace-s", type=float, default=10.0)
     p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="step the engine in a thread of the server process (default: its own process, "
+        "so HTTP and text never compete with the forward for one GIL)",
+    )
     g = p.add_argument_group("scale-out (Ray Serve; docs/scale_out.md)")
     g.add_argument(
         "--replicas", type=int, default=1, help="engine replicas on Ray Serve (1: one process)"
@@ -69,7 +75,7 @@ def serve_parser() -> argparse.ArgumentParser:
 def serve_main(argv: list[str]) -> int:
     """Entry of ``kvcore serve``."""
     from kvcore.entrypoints.cli.main import _make_llm
-    from kvcore.entrypoints.openai.server import make_state, run_server
+    from kvcore.entrypoints.openai.server import make_state, run_server, start_state
 
     args = serve_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -81,9 +87,11 @@ def serve_main(argv: list[str]) -> int:
         args.replicas = args.decode_replicas or 1
     if args.replicas > 1 or args.ray_address or args.prefill_replicas:
         return _serve_replicas(argv, args)
-    llm = _make_llm(args)
-    state = make_state(llm, args)
-    dtype = str(llm.engine.model.dtype).removeprefix("torch.")
+    if args.engine_in_process:
+        state = make_state(_make_llm(args), args)
+    else:
+        state = start_state(make_engine, args)
+    dtype = state.model_dtype
     print(
         f"kvcore serve: {state.model_name} on http://{args.host}:{args.port} "
         f"(dtype {dtype}, max_model_len {state.max_model_len}, "
@@ -91,6 +99,15 @@ def serve_main(argv: list[str]) -> int:
         flush=True,
     )
     return run_server(state, args.host, args.port, args.shutdown_grace_s, args.log_level)
+
+
+def make_engine(args: argparse.Namespace):
+    """The server's engine from its flags: the one place ``kvcore serve`` (and each Ray
+    replica) builds it. Runs in the engine process (``kvcore.engine.core_proc``), or in the
+    server's with ``--engine-in-process``."""
+    from kvcore.entrypoints.cli.main import _make_llm
+
+    return _make_llm(args).engine
 
 
 def _serve_replicas(argv: list[str], args: argparse.Namespace) -> int:
