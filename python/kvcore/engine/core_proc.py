@@ -16,8 +16,8 @@ traceback of a failed start, then exit 1).
 
 The process never blocks on the front-end: its PUSH socket has no high-water mark, so a
 front-end that stops reading costs memory, never a step. It ignores SIGINT/SIGTERM (the
-front-end drains, then sends ``shutdown``) and exits when its parent dies (PR_SET_PDEATHSIG,
-and a ``getppid`` check while idle). Utility calls (``wait_published``) run in a side thread.
+front-end drains, then sends ``shutdown``) and exits when its parent dies (``getppid`` changes;
+checked every turn, so within a step or 200 ms). Utility calls (``wait_published``) run in a side thread.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ class EngineCoreProc:
                     except zmq.Again:
                         break
                     shutdown |= self._handle(self._dec.decode(frame.buffer), out)
-            elif not busy and os.getppid() != self._parent:
-                return  # the front-end is gone
+            if os.getppid() != self._parent:
+                return  # the front-end is gone (a cheap syscall, checked every turn)
             self._collect_results(out)
             if shutdown:
                 self._abort_all(out, None)
@@ -223,18 +223,10 @@ class EngineCoreProc:
         return self.engine.tier_figures()
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def main(in_addr: str, out_addr: str) -> int:
     """Entry of the engine process: build the engine, say ready, loop until ``shutdown``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front-end drains, then says shutdown
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with_parent()
     make_engine, args = pickle.loads(sys.stdin.buffer.read())
     ctx = zmq.Context(1)
     pull = ctx.socket(zmq.PULL)

@@ -66,10 +66,15 @@ class MetricsHub:
 
 
 def _state_for(args: Any) -> serving.ServerState:
+    """A replica's server state: its engine in an engine-core process of its own, as
+    ``kvcore serve`` (or in the replica's process with ``--engine-in-process``)."""
     from kvcore.entrypoints.cli.main import _make_llm
-    from kvcore.entrypoints.openai.server import make_state
+    from kvcore.entrypoints.cli.serve import make_engine
+    from kvcore.entrypoints.openai.server import make_state, start_state
 
-    return make_state(_make_llm(args), args)
+    if args.engine_in_process:
+        return make_state(_make_llm(args), args)
+    return start_state(make_engine, args)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -129,7 +134,6 @@ class EngineReplica:
         shared tier, then return (the decode replica loads it). The request runs for two
         greedy tokens: the second step's plan carries the publish of the prompt's blocks."""
         mine = {"x-kvcore-prefill-replica": self.actor_name}
-        tiers = self.state.engine.engine.tiers
         try:
             job = self._job(req)
             job.req = job.req.model_copy(update={"stream": False, "n": 1})
@@ -142,7 +146,7 @@ class EngineReplica:
                 job.close()
         except ApiError as e:
             return e.status, e.body(), {**e.headers, **mine}
-        done = await asyncio.to_thread(tiers.wait_published, 10.0) if tiers else False
+        done = await self.state.engine.call("wait_published", 10.0)
         cached = sum(o.num_cached_tokens for o in job.finals.values())
         return 200, {"published": done, "cached_tokens": cached}, mine
 

@@ -130,6 +130,8 @@ def build_app(state: ServerState) -> FastAPI:
         dead = getattr(state.engine, "dead", None)
         status = "ok" if ok else (dead or ("draining" if state.draining else "engine stopped"))
         body = {"status": status, **state.engine.snapshot}
+        if getattr(state.engine, "proc", None) is not None:  # the engine-core process
+            body["engine_pid"] = state.engine.proc.pid
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
