@@ -134,7 +134,11 @@ def test_engine_killed_mid_stream_every_client_gets_an_error(model_dir):
             os.kill(engine_pid, signal.SIGKILL)
             return killed, await asyncio.gather(*tasks)
 
-    killed, results = asyncio.run(main())
+    try:
+        killed, results = asyncio.run(main())
+    except BaseException:
+        srv.stop()
+        raise
     for kind, when, what in results:
         assert when - killed < 10, (kind, when - killed)
         if kind == "stream":  # headers were sent: an in-band error event, then [DONE]
