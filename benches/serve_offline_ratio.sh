@@ -4,7 +4,9 @@
 # the engine in its own process (default) and in a thread of the server (--engine-in-process).
 # Per seed: both servers one after the other (order alternating by seed), then LLM.generate on
 # the same prompts right after, so that a loaded machine's drift hits all three alike. Also
-# prints the CPU seconds each server process used during its run (front-end vs engine).
+# prints the CPU seconds each server process used during its run (front-end vs engine) and
+# LLM.generate's own: on a loaded machine, where wall-clock ratios drift with the neighbours'
+# load, CPU seconds per token are the steadier cost figure. ONLY=offline runs LLM.generate only.
 #   KVCORE_PY=/work/venvs/engproc/bin/python SEEDS="0 1 2" OUT=/tmp/ratio bash benches/serve_offline_ratio.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,14 +39,19 @@ from kvcore.tools.bench_serve import _Offline
 seed, n, flags = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 reqs = make_dataset("random", n, seed=rate_seed(seed, 0), max_tokens=64, input_len=256, vocab_size=49152)
 off = _Offline(flags)
+cpu0 = time.process_time()  # every thread of this process
 elapsed, tokens = off.run([r.body["prompt"] for r in reqs], [r.body["max_tokens"] for r in reqs])
-print(f"offline seed {seed}: output_tok_per_s: {tokens / elapsed:.2f} ({tokens} tokens in {elapsed:.1f} s)")
+cpu = time.process_time() - cpu0
+print(f"offline seed {seed}: output_tok_per_s: {tokens / elapsed:.2f} ({tokens} tokens in "
+      f"{elapsed:.1f} s) cpu_s {cpu:.2f}")
 PY
 }
 
 i=0
 for seed in $SEEDS; do
-  if [ $((i % 2)) = 0 ]; then
+  if [ "${ONLY:-}" = offline ]; then
+    :
+  elif [ $((i % 2)) = 0 ]; then
     served proc "$seed"; served inproc "$seed" --engine-in-process
   else
     served inproc "$seed" --engine-in-process; served proc "$seed"
