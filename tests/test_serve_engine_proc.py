@@ -156,12 +156,11 @@ def test_engine_killed_mid_stream_every_client_gets_an_error(model_dir):
 def test_engine_keeps_stepping_when_nobody_reads(model_dir, tmp_path):
     """The engine process's output socket never blocks: with 32 streaming requests and no
     reader, every request still finishes (its final delta is stamped before anyone read)."""
+    import msgspec
     import zmq
     from kvcore.engine.core_messages import AddRequest, EngineInputs, EngineOutputs, decoder
     from kvcore.entrypoints.cli.serve import make_engine, serve_parser
     from kvcore.outputs import SamplingParams
-
-    import msgspec
 
     args = serve_parser().parse_args(["--model", str(model_dir), "--num-blocks", "1024",
                                       "--max-model-len", "512", "--threads", "1"])  # fmt: skip

@@ -17,7 +17,8 @@ traceback of a failed start, then exit 1).
 The process never blocks on the front-end: its PUSH socket has no high-water mark, so a
 front-end that stops reading costs memory, never a step. It ignores SIGINT/SIGTERM (the
 front-end drains, then sends ``shutdown``) and exits when its parent dies (``getppid`` changes;
-checked every turn, so within a step or 200 ms). Utility calls (``wait_published``) run in a side thread.
+checked every turn, so within a step or 200 ms). Utility calls (``wait_published``) run in a
+side thread.
 """
 
 from __future__ import annotations

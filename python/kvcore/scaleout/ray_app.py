@@ -16,7 +16,6 @@ streamed tokens already, and sampling is not idempotent); Serve's controller sta
 replica and the router drops the dead one's tree.
 """
 
-import asyncio
 import threading
 import time
 from typing import Any

@@ -10,8 +10,9 @@ the ITL SLO applied to the request's TPOT as in vLLM's benchmark) and, with ``--
 the cost per million useful output tokens (tokens of requests meeting the SLO). When the server
 exports ``*:request_server_overhead_seconds`` (kvcore does), it also prints the server's own time
 per request and its share of the end-to-end latency; with ``--offline FLAGS``, the served output
-tok/s over ``LLM.generate``'s on the same prompts at saturation (rate ``inf``). ``--plot`` draws latency and goodput against
-the rate, for this run and any ``--compare-json`` results saved by earlier runs (``--save-json``).
+tok/s over ``LLM.generate``'s on the same prompts at saturation (rate ``inf``). ``--plot`` draws
+latency and goodput against the rate, for this run and any ``--compare-json`` results saved by
+earlier runs (``--save-json``).
 """
 
 from __future__ import annotations
@@ -265,7 +266,9 @@ class _Offline:
     def run(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, int]:
         from kvcore.outputs import SamplingParams
 
-        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens
+        ]
         start = time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
