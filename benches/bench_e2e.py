@@ -40,7 +40,7 @@ from kvcore import _kvcore  # noqa: E402
 from kvcore.tools.baselines import hf_continuous, hf_generate  # noqa: E402
 from kvcore.entrypoints.llm import LLM  # noqa: E402
 from kvcore.models.loader import load_model, tiny_llama  # noqa: E402
-from kvcore.outputs import SamplingParams  # noqa: E402
+from kvcore.params import SamplingParams  # noqa: E402
 from kvcore.tools.report import percentiles, summarize  # noqa: E402
 from kvcore.tools.workload import bench_workload  # noqa: E402
 

@@ -36,7 +36,7 @@ from kvcore import _kvcore  # noqa: E402
 from kvcore.entrypoints.llm import LLM  # noqa: E402
 from kvcore.models.mla import tiny_deepseek  # noqa: E402
 from kvcore.models.sizes import mha_equivalent_bytes_per_token  # noqa: E402
-from kvcore.outputs import SamplingParams  # noqa: E402
+from kvcore.params import SamplingParams  # noqa: E402
 
 
 def hf_generate_timed(model, prompts: torch.Tensor, new_tokens: int) -> tuple[list, float]:

@@ -16,7 +16,7 @@ import time
 
 import torch
 from kvcore.llm import LLM
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 from kvcore_kernels import cpu_native
 from torch.profiler import ProfilerActivity, profile, record_function
 

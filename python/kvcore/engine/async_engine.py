@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcore.engine.inspect import engine_view
 from kvcore.errors import KvCoreError, UnknownRequestError
 from kvcore.outputs import RequestOutput
 from kvcore.params import SamplingParams
@@ -38,6 +39,10 @@ ACCEPTED = object()  # first item of a stream once the engine took the request
 
 class EngineError(Exception):
     """The engine failed while serving a request (its client gets a 500)."""
+
+
+class EngineDeadError(EngineError):
+    """The engine process is gone: the request cannot finish (its client gets a 503)."""
 
 
 @dataclass
@@ -231,23 +236,39 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, batch)
 
     def _publish(self) -> None:
-        engine = self.engine
-        st = engine.scheduler.stats()
-        self.snapshot = {
-            "num_running": int(st.num_running),
-            "num_waiting": int(st.num_waiting),
-            "num_unfinished": int(engine.get_num_unfinished_requests()),
-            "num_free_blocks": int(st.num_free_blocks),
-            "num_blocks": int(engine.runner.num_blocks) - 1,  # without the null block
-            "all_blocks_free": int(st.num_free_blocks) == int(engine.runner.num_blocks) - 1,
-            "kv_usage": float(st.kv_usage),
-            "prefix_query_tokens": int(st.prefix_query_tokens),
-            "prefix_hit_tokens": int(st.prefix_hit_tokens),
-            "num_preemptions": int(st.num_preemptions),
-            "num_steps": int(engine.stats.num_steps),
-        }
+        self.snapshot = engine_snapshot(self.engine)
         if self.metrics is not None:
             self.metrics.observe_snapshot(self.snapshot)
+
+    async def call(self, name: str, *args: Any) -> Any:
+        """A utility call on the engine (``wait_published``, ``tier_figures``), off the loop."""
+        if name == "wait_published":
+            tiers = self.engine.tiers
+            return bool(await asyncio.to_thread(tiers.wait_published, *args)) if tiers else False
+        if name == "tier_figures":
+            return self.engine.tier_figures()
+        if name == "dashboard_view":
+            return engine_view(self.engine)
+        raise ValueError(f"unknown engine call {name!r}")
+
+
+def engine_snapshot(engine: Any) -> dict[str, Any]:
+    """The scheduler's state that /health and the gauges show (read between steps)."""
+    st = engine.scheduler.stats()
+    num_blocks = int(engine.runner.num_blocks) - 1  # without the null block
+    return {
+        "num_running": int(st.num_running),
+        "num_waiting": int(st.num_waiting),
+        "num_unfinished": int(engine.get_num_unfinished_requests()),
+        "num_free_blocks": int(st.num_free_blocks),
+        "num_blocks": num_blocks,
+        "all_blocks_free": int(st.num_free_blocks) == num_blocks,
+        "kv_usage": float(st.kv_usage),
+        "prefix_query_tokens": int(st.prefix_query_tokens),
+        "prefix_hit_tokens": int(st.prefix_hit_tokens),
+        "num_preemptions": int(st.num_preemptions),
+        "num_steps": int(engine.stats.num_steps),
+    }
 
 
 class RequestStream:

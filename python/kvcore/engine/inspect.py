@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -244,3 +245,39 @@ def _cells(states: np.ndarray, group: int) -> str:
         pad = (-len(states)) % group
         states = np.concatenate([states, np.zeros(pad, np.int8)]).reshape(-1, group).max(axis=1)
     return (states + ord("0")).astype(np.uint8).tobytes().decode()
+
+
+def engine_view(engine: Any) -> dict[str, Any]:
+    """The engine side of the dashboard's picture: ``inspect()`` and the tiers' figures, as
+    plain lists and numbers (sent as one utility call when the engine runs in its own process)."""
+    kv = engine.inspect()
+    return {"kv": kv, "tiers": _tiers_view(engine, kv)}
+
+
+def _tiers_view(engine: Any, kv: dict[str, Any]) -> dict[str, Any] | None:
+    tm = getattr(engine, "tiers", None)
+    if tm is None:
+        return None
+    st = engine.scheduler.tier_stats()
+    fig = engine.tier_figures()
+    disk = getattr(tm, "disk", None)
+    block_bytes = max(1, int(getattr(tm, "block_bytes", 1)))
+    c = kv["counts"]
+
+    def finite(x: Any) -> float | None:  # JSON: None for a missing or NaN percentile
+        return None if x is None or not math.isfinite(x) else round(float(x), 3)
+
+    return {
+        "resident": {
+            "L1": c["running"] + c["shared"] + c["cached"],
+            "L2": int(st["l2_entries"]),
+            "L3": (int(disk.used) // block_bytes) if disk is not None else None,
+            "L4": int(st["published_blocks"]) if getattr(tm, "remote", None) else None,
+        },
+        "loaded_blocks": int(st["loaded_blocks"]),
+        "offloaded_blocks": int(st["offloaded_blocks"]),
+        "fetched_blocks": int(st["fetched_blocks"]),
+        "fetch_p50_ms": finite(fig.get("tier_fetch_p50_ms")),
+        "fetch_p95_ms": finite(fig.get("tier_fetch_p95_ms")),
+        "load_p50_ms": finite(fig.get("tier_load_p50_ms")),
+    }

@@ -51,6 +51,13 @@ class LLM:
         An unknown name is refused with ``InvalidArgumentError``."""
         self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An ``LLM`` over an engine already built (e.g. by ``kvcore.engine.factory``)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self) -> Any:
         """The tokenizer (None for a model given without one)."""
         return self.engine.tokenizer

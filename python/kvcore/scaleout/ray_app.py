@@ -16,7 +16,6 @@ streamed tokens already, and sampling is not idempotent); Serve's controller sta
 replica and the router drops the dead one's tree.
 """
 
-import asyncio
 import threading
 import time
 from typing import Any
@@ -84,11 +83,14 @@ def _replica_flags(argv: list[str]) -> Any:
 
 
 def _state_for(args: Any) -> serving.ServerState:
-    from kvcore.engine.args import EngineArgs
-    from kvcore.engine.llm_engine import LLMEngine
-    from kvcore.entrypoints.openai.server import make_state
+    """A replica's server state: its engine in an engine-core process of its own, as
+    ``kvcore serve`` (or in the replica's process with ``--engine-in-process``)."""
+    from kvcore.engine.factory import make_engine
+    from kvcore.entrypoints.openai.server import make_state, start_state
 
-    return make_state(LLMEngine(EngineArgs.from_cli_args(args)), args)
+    if args.engine_in_process:
+        return make_state(make_engine(args), args)
+    return start_state(make_engine, args)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -146,7 +148,6 @@ class EngineReplica:
         shared tier, then return (the decode replica loads it). The request runs for two
         greedy tokens: the second step's plan carries the publish of the prompt's blocks."""
         mine = {"x-kvcore-prefill-replica": self.actor_name}
-        tiers = self.state.engine.engine.tiers
         try:
             job = self._job(req)
             job.req = job.req.model_copy(update={"stream": False, "n": 1})
@@ -159,7 +160,7 @@ class EngineReplica:
                 job.close()
         except ApiError as e:
             return e.status, e.body(), {**e.headers, **mine}
-        done = await asyncio.to_thread(tiers.wait_published, 10.0) if tiers else False
+        done = await self.state.engine.call("wait_published", 10.0)
         cached = sum(o.num_cached_tokens for o in job.finals.values())
         return 200, {"published": done, "cached_tokens": cached}, mine
 

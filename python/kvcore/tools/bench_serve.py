@@ -9,8 +9,10 @@ p50/p95/p99 of each latency, goodput (requests/s meeting ``--slo-ttft-ms`` and `
 the ITL SLO applied to the request's TPOT as in vLLM's benchmark) and, with ``--cost-per-hour``,
 the cost per million useful output tokens (tokens of requests meeting the SLO). When the server
 exports ``*:request_server_overhead_seconds`` (kvcore does), it also prints the server's own time
-per request and its share of the end-to-end latency. ``--plot`` draws latency and goodput against
-the rate, for this run and any ``--compare-json`` results saved by earlier runs (``--save-json``).
+per request and its share of the end-to-end latency; with ``--offline FLAGS``, the served output
+tok/s over ``LLM.generate``'s on the same prompts at saturation (rate ``inf``). ``--plot`` draws
+latency and goodput against the rate, for this run and any ``--compare-json`` results saved by
+earlier runs (``--save-json``).
 """
 
 from __future__ import annotations
@@ -267,7 +269,54 @@ def parser() -> argparse.ArgumentParser:
         help="send nothing: re-evaluate saved runs at this --slo-* (goodput, knee) and --plot",
     )
     p.add_argument("--plot", default=None, help="draw latency/goodput vs rate to FILE.png")
+    p.add_argument(
+        "--offline",
+        default=None,
+        metavar="FLAGS",
+        help="after each saturated rate (inf), run LLM.generate in this process on the same "
+        "prompts with these `kvcore serve` engine flags ('--model M --dtype bfloat16 "
+        "--threads 2'; the server idles meanwhile) and print served_over_offline",
+    )
     return p
+
+
+class _Offline:
+    """``LLM.generate`` on a rate's own prompts: the engine's speed without the server."""
+
+    def __init__(self, flags: str):
+        import shlex
+
+        from kvcore.engine.factory import make_engine
+        from kvcore.entrypoints.llm import LLM
+        from kvcore.scaleout.ray_app import replica_parser
+
+        # The server's engine flags, parsed as a replica parses them (scale-out flags ignored).
+        engine = make_engine(replica_parser().parse_known_args(shlex.split(flags))[0])
+        self.llm = LLM.from_engine(engine)
+        self.run([[5, 6, 7, 8]] * 2, [4, 4])  # warm-up, as the server's
+
+    def run(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, int]:
+        from kvcore.params import SamplingParams
+
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens
+        ]
+        start = time.perf_counter()
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def offline_figures(offline: _Offline, reqs: list[BenchRequest], fig: dict[str, Any]) -> None:
+    """Add ``offline_output_tok_per_s`` and ``served_over_offline`` (served output tok/s ÷
+    LLM.generate's on the same prompts) to a saturated rate's figures."""
+    if not all(isinstance(r.body.get("prompt"), list) for r in reqs):
+        return  # chat prompts: no token ids to replay
+    elapsed, tokens = offline.run(
+        [r.body["prompt"] for r in reqs], [r.body["max_tokens"] for r in reqs]
+    )
+    fig["offline_output_tok_per_s"] = tokens / elapsed
+    fig["served_over_offline"] = fig["output_tok_per_s"] / fig["offline_output_tok_per_s"]
 
 
 async def _model(args: Any) -> str:
@@ -304,8 +353,13 @@ async def _main(args: Any) -> list[dict[str, Any]]:
         )
         await run_rate(args, float("inf"), warm, model)
     results = []
+    offline = None
     for i, rate in enumerate(args.request_rate):
-        fig = await run_rate(args, rate, dataset(i), model)
+        reqs = dataset(i)
+        fig = await run_rate(args, rate, reqs, model)
+        if args.offline and not math.isfinite(rate):
+            offline = offline or _Offline(args.offline)
+            offline_figures(offline, reqs, fig)
         print_figures(fig)
         results.append(fig)
     return results

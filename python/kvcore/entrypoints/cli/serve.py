@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -51,10 +50,8 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def serve_main(argv: list[str]) -> int:
     """Entry of ``kvcore serve``."""
-    from kvcore.engine.args import EngineArgs
-    from kvcore.engine.llm_engine import LLMEngine
-    from kvcore.entrypoints.openai.server import make_state, run_server
-    from kvcore.models.dtype import dtype_hint
+    from kvcore.engine.factory import make_engine
+    from kvcore.entrypoints.openai.server import make_state, run_server, start_state
 
     args = serve_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -66,12 +63,11 @@ def serve_main(argv: list[str]) -> int:
         args.replicas = args.decode_replicas or 1
     if args.replicas > 1 or args.ray_address or args.prefill_replicas:
         return _serve_replicas(argv, args)
-    engine = LLMEngine(EngineArgs.from_cli_args(args))
-    hint = dtype_hint(args.dtype, engine.model.dtype, engine.runner.device)
-    if hint:
-        print(f"kvcore: {hint}", file=sys.stderr)
-    state = make_state(engine, args)
-    dtype = str(engine.model.dtype).removeprefix("torch.")
+    if args.engine_in_process:
+        state = make_state(make_engine(args), args)
+    else:
+        state = start_state(make_engine, args)
+    dtype = state.model_dtype
     print(
         f"kvcore serve: {state.model_name} on http://{args.host}:{args.port} "
         f"(dtype {dtype}, max_model_len {state.max_model_len}, "

@@ -45,5 +45,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--shutdown-grace-s", type=at.float_in(0, 3600), default=10.0)
     p.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="step the engine in a thread of the server process (default: its own process, "
+        "so HTTP and text never compete with the forward for one GIL)",
+    )
+    p.add_argument(
         "--log-level", default="warning", choices=("debug", "info", "warning", "error", "critical")
     )

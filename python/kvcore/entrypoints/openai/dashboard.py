@@ -32,6 +32,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from kvcore.engine.inspect import engine_view
 from kvcore.entrypoints.openai.protocol import ApiError
 
 STATIC = resources.files("kvcore.entrypoints.openai") / "static" / "dashboard"
@@ -98,6 +99,7 @@ class Dashboard:
         self._at = 0.0
         self._lock = threading.RLock()
         self._building = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's (set by the route)
         if state.metrics is not None:
             state.metrics.registry.register(
                 CacheCollector(self, state.metrics.prefix, state.metrics.model_name)
@@ -153,10 +155,9 @@ class Dashboard:
         return self._last_cpu <= CPU_SHARE * (time.process_time() - self._proc_at)
 
     def _build(self, now: float) -> dict[str, Any]:
-        engine = self.state.engine.engine  # the LLMEngine (thread-safe read: inspect, figures)
-        kv = engine.inspect()
+        view = self._engine_view()
+        kv, tiers = view["kv"], view["tiers"]
         reg = _read_registry(self.state.metrics) if self.state.metrics is not None else {}
-        tiers = self._tiers(engine, kv)
         point = self._point(now, kv, reg, tiers)
         return {
             "model": self.state.model_name,
@@ -171,30 +172,17 @@ class Dashboard:
             },
         }
 
-    @staticmethod
-    def _tiers(engine: Any, kv: dict[str, Any]) -> dict[str, Any] | None:
-        tm = getattr(engine, "tiers", None)
-        if tm is None:
-            return None
-        st = engine.scheduler.tier_stats()
-        fig = engine.tier_figures()
-        disk = getattr(tm, "disk", None)
-        block_bytes = max(1, int(getattr(tm, "block_bytes", 1)))
-        c = kv["counts"]
-        return {
-            "resident": {
-                "L1": c["running"] + c["shared"] + c["cached"],
-                "L2": int(st["l2_entries"]),
-                "L3": (int(disk.used) // block_bytes) if disk is not None else None,
-                "L4": int(st["published_blocks"]) if getattr(tm, "remote", None) else None,
-            },
-            "loaded_blocks": int(st["loaded_blocks"]),
-            "offloaded_blocks": int(st["offloaded_blocks"]),
-            "fetched_blocks": int(st["fetched_blocks"]),
-            "fetch_p50_ms": _finite(fig.get("tier_fetch_p50_ms")),
-            "fetch_p95_ms": _finite(fig.get("tier_fetch_p95_ms")),
-            "load_p50_ms": _finite(fig.get("tier_load_p50_ms")),
-        }
+    def _engine_view(self) -> dict[str, Any]:
+        """``engine_view`` of the engine: read in this process (``--engine-in-process``), or
+        one utility call to the engine process (its own CPU, not the server's)."""
+        handle = self.state.engine
+        inner = getattr(handle, "engine", None)
+        if inner is not None:  # AsyncEngine: the LLMEngine is here (thread-safe reads)
+            return engine_view(inner)
+        if self.loop is None:
+            raise RuntimeError("the dashboard needs the server's event loop")
+        fut = asyncio.run_coroutine_threadsafe(handle.call("dashboard_view"), self.loop)
+        return fut.result(timeout=10)
 
     def _point(
         self, now: float, kv: dict[str, Any], reg: dict[str, Any], tiers: dict[str, Any] | None
@@ -363,5 +351,6 @@ def mount(app: FastAPI, state: Any, dashboard: Dashboard) -> None:
     @app.get("/dashboard/api/state")
     async def api_state(request: Request, since: float = 0.0) -> Response:
         _check_key(state, request)
+        dashboard.loop = asyncio.get_running_loop()
         body = await asyncio.to_thread(dashboard.response, since)
         return Response(body, media_type="application/json")

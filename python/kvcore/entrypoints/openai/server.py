@@ -15,6 +15,7 @@ import copy
 import hmac
 import logging
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -24,7 +25,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from kvcore.engine.async_engine import AsyncEngine
+from kvcore.engine.async_engine import AsyncEngine, EngineError
+from kvcore.engine.core_proc import engine_info
 from kvcore.entrypoints.openai import dashboard, responses, serving
 from kvcore.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvcore.entrypoints.openai.protocol import (
@@ -145,6 +147,10 @@ def build_app(state: ServerState) -> FastAPI:
         code = "not_found" if e.status_code == 404 else None
         return _error(ApiError(e.status_code, str(e.detail), code=code))
 
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, e: EngineError) -> JSONResponse:
+        return _error(serving.engine_api_error(e))
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error")
@@ -152,8 +158,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = state.engine.running
-        body = {"status": "ok" if ok else "engine stopped", **state.engine.snapshot}
+        ok = state.engine.running and not state.draining
+        dead = getattr(state.engine, "dead", None)
+        status = "ok" if ok else (dead or ("draining" if state.draining else "engine stopped"))
+        body = {"status": status, **state.engine.snapshot}
+        if getattr(state.engine, "proc", None) is not None:  # the engine-core process
+            body["engine_pid"] = state.engine.proc.pid
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -189,45 +199,63 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def make_state(engine: Any, args: Any) -> ServerState:
-    """The server's state over a built ``LLMEngine`` and the parsed ``kvcore serve`` flags."""
+def _state(engine: Any, info: dict[str, Any], args: Any) -> ServerState:
+    """The server's state over an engine handle (in-process or the engine process) and the
+    engine's ``engine_info``."""
     name = args.served_model_name or str(args.model)
-    cc = engine.cache_config
-    info = {
-        "block_size": cc.block_size,
-        "num_gpu_blocks": engine.runner.num_blocks - 1,
-        "cache_dtype": str(cc.kv_format),  # as asked (vLLM's label: "auto" = the model's)
-        "kv_dtype": _dtype_name(engine.runner.kv_dtype) if not cc.quantized else "quantized",
-        "model_dtype": _dtype_name(engine.model.dtype),
-        "enable_prefix_caching": str(cc.prefix_caching != "off"),
-        "prefix_caching": cc.prefix_caching,
+    cache_info = {
+        "block_size": info["block_size"],
+        "num_gpu_blocks": info["num_blocks"],
+        "cache_dtype": info["kv_format"],  # as asked (vLLM's label: "auto" = the model's)
+        "kv_dtype": info["kv_dtype"] if not info["quantized"] else "quantized",
+        "model_dtype": info["model_dtype"],
+        "enable_prefix_caching": str(info["prefix_caching"] != "off"),
+        "prefix_caching": info["prefix_caching"],
     }
-    metrics = ServerMetrics(name, args.metrics_prefix, info)
-    max_n = min(args.max_n, engine.scheduler_config.max_num_seqs)
-    tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+    metrics = ServerMetrics(name, args.metrics_prefix, cache_info)
+    engine.metrics = metrics
+    if getattr(engine, "snapshot", None):
+        metrics.observe_snapshot(engine.snapshot)
+    tokenizer = info["tokenizer"]
     state = ServerState(
-        engine=AsyncEngine(engine, metrics=metrics),
+        engine=engine,
         tokenizer=tokenizer,
         model_name=name,
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size,
-        max_n=max_n,
+        max_model_len=info["max_model_len"],
+        vocab_size=info["vocab_size"],
+        max_n=min(args.max_n, info["max_num_seqs"]),
         api_key=args.api_key,
         max_waiting=args.max_waiting if args.max_waiting > 0 else None,
         max_body_bytes=args.max_body_bytes,
         metrics=metrics,
+        model_dtype=info["model_dtype"],
     )
     if getattr(args, "dashboard", True):  # --no-dashboard turns /dashboard off
         state.dashboard = dashboard.Dashboard(state)  # type: ignore[attr-defined]
     return state
 
 
+def make_state(engine: Any, args: Any) -> ServerState:
+    """The server's state over an ``LLMEngine`` built in this process (``AsyncEngine``: a
+    thread steps the engine; ``--engine-in-process``)."""
+    info = engine_info(engine)
+    if info["tokenizer"] is not None:  # the handlers' own copy (the engine thread uses its)
+        info["tokenizer"] = copy.deepcopy(info["tokenizer"])
+    return _state(AsyncEngine(engine), info, args)
+
+
+def start_state(make_engine: Any, args: Any) -> ServerState:
+    """The server's state over an engine-core process that runs ``make_engine(args)``
+    (``kvcore.engine.core_proc``; ``make_engine`` must be importable by name)."""
+    from kvcore.engine.core_client import EngineCoreClient
+
+    client = EngineCoreClient(make_engine, args)
+    return _state(client, client.info, args)
+
+
 def run_server(state: ServerState, host: str, port: int, grace_s: float, log_level: str) -> int:
-    """Serve until SIGINT/SIGTERM; returns 0 after a graceful shutdown."""
+    """Serve until SIGINT/SIGTERM; returns 0 after a graceful shutdown, 1 if the engine
+    process died (its open requests got 503s or in-band errors first)."""
     import uvicorn
 
     cut_after = max(0.0, grace_s - min(1.0, grace_s / 2))
@@ -262,12 +290,26 @@ def run_server(state: ServerState, host: str, port: int, grace_s: float, log_lev
         lifespan="off",
     )
     server = _Server(config)
+
+    def on_dead(why: str) -> None:  # the engine process died: fail fast, exit non-zero
+        state.draining = True
+        threading.Timer(0.5, setattr, (server, "should_exit", True)).start()  # errors first
+
+    if hasattr(state.engine, "on_dead"):
+        state.engine.on_dead = on_dead
+        if state.engine.dead:
+            on_dead(state.engine.dead)
     try:
         server.run()
     finally:
         state.engine.stop(timeout=5.0)
         # The tiers' writes get a short deadline: a hung disk or store never holds the exit
-        # (their threads are daemons).
-        with contextlib.suppress(Exception):
-            state.engine.engine.close(timeout_s=2.0)
+        # (their threads are daemons; the engine process closes its own the same way).
+        inner = getattr(state.engine, "engine", None)
+        if inner is not None:
+            with contextlib.suppress(Exception):
+                inner.close(timeout_s=2.0)
+    if getattr(state.engine, "dead", None):
+        print(f"kvcore serve: {state.engine.dead}", file=sys.stderr, flush=True)
+        return 1
     return 0 if server.started else 1

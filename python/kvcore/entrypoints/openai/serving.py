@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.engine.async_engine import AsyncEngine, EngineError, RequestStream
+from kvcore.engine.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestStream
 from kvcore.entrypoints.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -31,7 +31,7 @@ from kvcore.params import SamplingParams
 class ServerState:
     """Everything the handlers need, built once at start-up."""
 
-    engine: AsyncEngine
+    engine: AsyncEngine  # or EngineCoreClient (the engine process), same interface
     tokenizer: Any  # the front end's own copy (the engine thread uses the engine's)
     model_name: str
     max_model_len: int
@@ -43,6 +43,7 @@ class ServerState:
     metrics: Any = None
     draining: bool = False
     shutdown_cut: bool = False  # the grace period ended: what still runs was aborted
+    model_dtype: str = ""
 
 
 @dataclass
@@ -238,9 +239,16 @@ async def run(state: ServerState, job: Job) -> AsyncIterator[tuple[int, RequestO
         if isinstance(e, KvCoreError):
             raise ApiError(400, str(e)) from None
         if isinstance(e, EngineError):
-            raise ApiError(500, str(e), type="server_error") from None
-        raise e
+            raise engine_api_error(e) from None
+        raise
     return _merge(job, job.streams)
+
+
+def engine_api_error(e: EngineError) -> ApiError:
+    """503 once the engine process is gone (the server is exiting), 500 for a failed step."""
+    if isinstance(e, EngineDeadError):
+        return ApiError(503, str(e), type="server_error", code="engine_dead")
+    return ApiError(500, str(e), type="server_error")
 
 
 async def _merge(job: Job, streams: list[RequestStream]):
