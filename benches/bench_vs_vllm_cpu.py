@@ -168,6 +168,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--thread-settings", type=int, nargs="+", default=[1, 2])
+    ap.add_argument(
+        "--peer-threads", type=int, nargs="+", default=None, help="vLLM's (default: same)"
+    )
     ap.add_argument("--kvcore-modes", nargs="+", default=["compile"])
     ap.add_argument("--no-peer", action="store_true", help="kvcore only")
     ap.add_argument("--json", default=None, help="write every measurement here")
@@ -188,7 +191,8 @@ def main() -> None:
         ("kvcore", t, m, sys.executable) for t in args.thread_settings for m in args.kvcore_modes
     ]
     if not args.no_peer:
-        specs += [("vllm", t, "-", vllm_python) for t in args.thread_settings]
+        peer_threads = args.peer_threads or args.thread_settings
+        specs += [("vllm", t, "-", vllm_python) for t in peer_threads]
     workers = []
     for engine, threads, mode, python in specs:
         w = Worker(engine, threads, mode, python, model_dir)
