@@ -12,7 +12,7 @@ QUESTIONS = ["What is 2 + 2?", "Name a color.", "Write one word about the sea, t
 
 @pytest.fixture(scope="module")
 def smol():
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model("smollm2-135m", dtype="float32")  # exactness: fp32, not auto (bf16)
     return model, tok
 
 

@@ -200,7 +200,7 @@ def test_redis_killed_mid_run_serves_by_recompute_and_reconnects(
 def test_smollm2_outputs_equal_with_l2_under_eviction():
     """One real-model case: SmolLM2 with a pool that evicts constantly, L2 on and off."""
     prompts = workload(3, 3)
-    kw = dict(num_blocks=14, block_size=8, max_num_seqs=2)
+    kw = dict(num_blocks=14, block_size=8, max_num_seqs=2, dtype="float32")  # auto is bf16
     ref = LLM("smollm2-135m", **kw).generate(
         [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False
     )

@@ -54,6 +54,11 @@ class EngineArgs:
     kernel_backend: str = _arg(
         "auto", "attention kernels: auto | triton | torch", choices=("auto", "triton", "torch")
     )
+    model_impl: str = _arg(
+        "auto",
+        "model code: auto (kvcore's where the family has it) | kvcore | transformers",
+        choices=("auto", "kvcore", "transformers"),
+    )
     enforce_eager: bool = _arg(False, "no CUDA graphs", action="store_true")
     compile: bool | None = _arg(None, "torch.compile the forward (default: off)", cli=False)
     # ---- KV cache (CacheConfig)

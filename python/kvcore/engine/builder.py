@@ -145,6 +145,8 @@ def build(args: EngineArgs) -> EngineParts:
             backend=kernel_backend,
             enforce_eager=enforce_eager,
             compile=compile,
+            # "auto" leaves the choice to the runner (and $KVCORE_MODEL_IMPL)
+            model_impl=None if args.model_impl == "auto" else args.model_impl,
             max_num_seqs=sc.max_num_seqs,
             max_model_len=max_model_len,
             kv_groups=kv_groups,

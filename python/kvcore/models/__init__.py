@@ -1,6 +1,8 @@
 """Models: loading checkpoints (safetensors cache, the GGUF packages, tiny seeded configs),
-dtypes, per-layer windows, KV sizes per block and MLA geometry.
+dtypes, per-layer windows, KV sizes per block and MLA geometry, and kvcore's own model code
+(``llama``, ``gemma`` built from ``layers/``; ``native`` picks it or transformers' modules).
 
-Owns what a model *is*; knows nothing of requests or steps. Imports only the base and
+Owns what a model *is*; knows nothing of requests or steps (a forward receives the step's
+attention as a callable, ``layers.attention.StepAttention``). Imports only the base and
 ``kvcore_kernels``.
 """

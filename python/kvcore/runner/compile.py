@@ -9,10 +9,15 @@ Shapes: every step packs a different number of tokens (and requests, and block-t
 so those dimensions are marked dynamic before each call and one graph serves all sizes. torch
 still specialises a dimension of size 1 (a step with one token or one request compiles once
 more), so a run compiles about two graphs; ``CompileStats`` counts them.
+
+Compiled code is cached on disk (inductor's FX graph cache and AOTAutograd cache, both on by
+default) under kvcore's cache directory (``$KVCORE_CACHE_DIR/inductor``; an explicit
+``TORCHINDUCTOR_CACHE_DIR`` wins), so a second start of the same model only re-traces.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +42,10 @@ def compiled_graph_count() -> int:
 def compile_model(model: Any, backend: str = "inductor") -> Any:
     """``torch.compile(model)``: inductor by default (``backend="aot_eager"`` traces and
     functionalises without generating code, which is what quick tests use)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # persistent, beside the converted models
+        from kvcore.models.loader import cache_dir
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
     # A compiled graph per dynamic shape family; steps vary in size, so allow a few.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
     return torch.compile(model, backend=backend, dynamic=None, fullgraph=False)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import Any
 
@@ -46,6 +47,7 @@ from kvcore_kernels.quant import get_format as get_kv_format
 
 from kvcore.errors import InvalidArgumentError
 from kvcore.models.mla import check_mla_config, is_mla_config
+from kvcore.models.native import native_model
 from kvcore.models.sizes import kv_geometry
 from kvcore.models.windows import layer_windows
 from kvcore.retention.release import fill_released, has_released
@@ -59,6 +61,7 @@ from kvcore.runner.compile import (
 )
 from kvcore.runner.cuda_graphs import CudaGraphs, DecodeBuffers, graph_sizes
 from kvcore.runner.mla import allocate_latent_caches, check_runner_args, install_mla
+from kvcore.runner.native import NativeStep
 
 logger = logging.getLogger("kvcore")
 # Whether the forward is compiled when the caller does not say (bench_e2e --compile/--eager, on
@@ -89,6 +92,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         compile_backend: str = "inductor",
         kv_groups: Any = None,
+        model_impl: str | None = None,
     ):
         self.model = model
         # "cuda" and "cuda:0" are one device: compare normalised forms only.
@@ -141,7 +145,21 @@ class ModelRunner:
         if kv_groups is not None and (self.quantized or self.mla):
             raise InvalidArgumentError("KV cache groups need model-dtype caches without MLA")
         self.kv_groups = kv_groups
-        use_kvcore_attention(model)
+        use_kvcore_attention(model)  # the fallback path, and transformers peers of a bench
+        # kvcore's own model code where the family has it (kvcore.models.native), else the
+        # transformers modules; MLA keeps its own attention modules on the transformers model.
+        impl = model_impl or os.environ.get("KVCORE_MODEL_IMPL") or "auto"
+        self.native: Any = None
+        if self.mla:
+            reason = "MLA runs its own attention modules"
+        else:
+            self.native, reason = native_model(model, impl)
+        self.model_impl = "kvcore" if self.native is not None else "transformers"
+        logger.info(
+            "kvcore: model code: %s (%s)",
+            self.model_impl,
+            type(self.native).__name__ if self.native is not None else reason,
+        )
         self.forward_calls = 0
         self._forward_seconds = 0.0  # cumulative time inside the model's forward
         self._pending: list[tuple[Any, Any]] = []  # CUDA events not yet read
@@ -157,7 +175,8 @@ class ModelRunner:
         fast = not enforce_eager and not self.quantized and not self.mla and kv_groups is None
         self.compile = bool(compile) and fast
         self.use_op = self.compile or (cuda and fast)
-        self.compiled = compile_model(model, compile_backend) if self.compile else None
+        target = self.native if self.native is not None else model
+        self.compiled = compile_model(target, compile_backend) if self.compile else None
         self.compile_stats = CompileStats()
         self.max_model_len = max_model_len or num_blocks * block_size
         self.max_num_seqs = max_num_seqs
@@ -267,6 +286,8 @@ class ModelRunner:
             ctx.query_start_loc, ctx.seq_lens = meta.query_start_loc, meta.seq_lens
             ctx.block_table = meta.block_table
             attach_plan(meta.seq_lens, meta)
+        if self.native is not None:
+            return self._native_forward(input_ids[0], positions[0], slot_mapping, keep, ctx)
         if self.model.config._attn_implementation != BACKEND_NAME:
             use_kvcore_attention(self.model)  # someone switched it (e.g. a transformers peer run)
         forward = self.model
@@ -295,6 +316,36 @@ class ModelRunner:
             self.compile_stats.graphs += new_graphs
             self.compile_stats.compile_seconds += time.perf_counter() - start
         return out.logits[0]
+
+    def _native_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        keep: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        """kvcore's model code on the packed step (compiled when on); logits [len(keep), vocab]."""
+        forward = self.native
+        if self.compiled is not None and ctx.use_op:
+            forward = self.compiled
+            mark_step_dynamic(
+                (input_ids, (0,)),
+                (positions, (0,)),
+                (slot_mapping, (0,)),
+                (keep, (0,)),
+                (ctx.query_start_loc, (0,)),
+                (ctx.seq_lens, (0,)),
+                (ctx.block_table, (0, 1)),
+            )
+        graphs_before = compiled_graph_count()
+        start = time.perf_counter()
+        logits = forward(input_ids, positions, keep, NativeStep(ctx))
+        new_graphs = compiled_graph_count() - graphs_before
+        if new_graphs:
+            self.compile_stats.graphs += new_graphs
+            self.compile_stats.compile_seconds += time.perf_counter() - start
+        return logits
 
     def _decode_forward(self, batch: int, meta: Any) -> torch.Tensor:
         """The forward over the decode buffers' first ``batch`` rows (what a graph captures)."""

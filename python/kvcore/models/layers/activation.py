@@ -1,0 +1,27 @@
+"""Gated activations on a fused gate-up projection's output ``[T, 2 * I] -> [T, I]``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ActAndMul(nn.Module):
+    """``act(gate) * up`` where ``gate_up = [gate | up]`` (SiLU: Llama/Qwen; tanh-GELU: Gemma)."""
+
+    FUNCTIONS = {
+        "silu": F.silu,
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    }
+
+    def __init__(self, name: str):
+        super().__init__()
+        if name not in self.FUNCTIONS:
+            raise ValueError(f"activation {name!r} has no fused gate-up form here")
+        self.name = name
+        self.fn = self.FUNCTIONS[name]
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.fn(gate) * up

@@ -1,0 +1,51 @@
+"""RMSNorm, fused with the residual add that precedes it.
+
+``norm(x, residual)`` returns ``(rms_norm(x + residual), x + residual)``: the block's two
+residual adds become part of the next norm's call (vLLM's ``fused_add_rms_norm``), so a layer
+reads ``h, res = norm(h, res)`` instead of keeping ``residual = h`` copies around.
+
+Two weight conventions, both computed in float32 as the checkpoints' own code does:
+
+* Llama/Qwen (``offset=0``): ``w * (x / rms(x))``;
+* Gemma (``offset=1``): ``(1 + w) * (x / rms(x))``, the ``1 + w`` folded into the weight once at
+  load time (``fold_offset``).
+
+``F.rms_norm`` is one fused kernel on the CPU; in float32 it gives the bits of transformers'
+unfused ``x * rsqrt(mean(x^2) + eps) * w`` (checked in tests/test_native_models.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.dim = dim
+        self.eps = float(eps)
+        self.offset = offset
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        # Gemma: the effective fp32 weight (1 + w), made by fold_offset after loading
+        self.register_buffer("w32", None, persistent=False)
+
+    def fold_offset(self) -> None:
+        """After loading: Gemma's ``1 + w`` in float32 (what its forward computes every call)."""
+        if self.offset:
+            self.w32 = self.offset + self.weight.data.float()
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        if self.offset:  # Gemma: (x / rms(x)) * (1 + w) in fp32, then cast
+            out = F.rms_norm(x.float(), (self.dim,), self.w32, self.eps).to(x.dtype)
+        elif x.dtype == torch.float32:
+            out = F.rms_norm(x, (self.dim,), self.weight, self.eps)
+        else:  # Llama in half precision: normalise in fp32, cast, then scale (its rounding)
+            out = self.weight * F.rms_norm(x.float(), (self.dim,), None, self.eps).to(x.dtype)
+        return out if residual is None else (out, residual)

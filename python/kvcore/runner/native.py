@@ -1,0 +1,77 @@
+"""The attention call of kvcore's own model code (``kvcore.models.llama``, ``gemma``).
+
+The ModelRunner builds one ``AttentionContext`` per step (``kvcore.runner.attention``) and hands
+``NativeStep(ctx)`` to the model's forward; each layer calls it with its packed q/k/v and its own
+constants. It does what the transformers backend's function does, without the layout shuffles
+(the model already works on ``[T, H, D]``):
+
+* op path (compiled forward, CUDA graphs): the custom op ``kvcore::paged_attention`` (store K/V
+  and attend in one opaque node per layer; ``kvcore.runner.attention_op``);
+* eager path: ``kvcore_kernels.store_kv`` + ``kvcore_kernels.paged_attention`` with the step's
+  ``AttentionMetadata``, KV cache groups (``kvcore.retention.release``) and H2O's block mass.
+"""
+
+from __future__ import annotations
+
+import kvcore_kernels
+import torch
+
+from kvcore.runner.attention import AttentionContext
+from kvcore.runner.attention_op import paged_attention as paged_attention_op
+
+
+class NativeStep:
+    """``models.layers.attention.StepAttention`` over one step's ``AttentionContext``."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, ctx: AttentionContext):
+        self.ctx = ctx
+
+    def __call__(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        soft_cap: float | None,
+    ) -> torch.Tensor:
+        ctx = self.ctx
+        cache = ctx.kv_caches[layer_idx]
+        # The model hands views into its fused QKV/rotary outputs (rows strided by all heads);
+        # the kernels get contiguous rows. The copies are
+        # T x H x D (small next to the GEMMs) and, compiled, fuse into the kernel producing q/k.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if ctx.use_op:
+            return paged_attention_op(
+                q,
+                k,
+                v,
+                cache,
+                ctx.slot_mapping,
+                ctx.query_start_loc,
+                ctx.seq_lens,
+                ctx.block_table,
+                scale=scale,
+                sliding_window=sliding_window,
+                soft_cap=soft_cap,
+                backend=ctx.backend,
+            )
+        meta, slots, mass = ctx.meta, ctx.slot_mapping, ctx.block_mass
+        if ctx.layer_group is not None and ctx.layer_group[layer_idx]:
+            group = ctx.layer_group[layer_idx]
+            meta, slots = ctx.group_metas[group - 1], ctx.group_slots[group - 1]
+            mass = None  # as the transformers backend: local groups add no mass
+        kvcore_kernels.store_kv(k, v, cache, slots, backend=ctx.backend, meta=meta)
+        return kvcore_kernels.paged_attention(
+            q,
+            cache,
+            meta,
+            scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            backend=ctx.backend,
+            **({} if mass is None else {"block_mass": mass}),
+        )

@@ -1,0 +1,146 @@
+"""kvcore's own model code (kvcore.models.llama, gemma): equal to transformers' modules.
+
+The engine-level exactness tests (test_engine*.py, test_window_models.py, test_gemma3.py) run on
+this path by default; here: every family's forward against transformers' in fp32 with a dense
+reference attention, bf16 agreement, shared weights, the fallback and its switch, op counts.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_reference import hf_greedy
+from kvcore import InvalidArgumentError
+from kvcore.entrypoints.llm import LLM
+from kvcore.models.loader import auto_dtype, tiny_llama
+from kvcore.models.native import native_model
+from kvcore.models.tiny import tiny_window_model
+from kvcore.outputs import SamplingParams
+from kvcore.runner.model_runner import ModelRunner
+from test_engine import SMALL
+
+FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3"]
+SHRINK = dict(hidden_size=64, intermediate_size=128, vocab_size=256, num_hidden_layers=3)
+
+
+def _hf(name, dtype=torch.float32, **kw):
+    if name == "tiny-llama":
+        return tiny_llama(seed=1, dtype=dtype, **{**SHRINK, **kw})
+    fields = (
+        {**SHRINK, "head_dim": 32}
+        if name in ("tiny-qwen3", "tiny-gemma2", "tiny-gemma3")
+        else SHRINK
+    )
+    if name in ("tiny-gemma2", "tiny-gemma3"):
+        fields = {**fields, "query_pre_attn_scalar": 32}
+    return tiny_window_model(name, seed=1, dtype=dtype, **{**fields, "sliding_window": 8, **kw})
+
+
+class DenseStep:
+    """Reference attention for one packed sequence: causal, windowed, soft-capped, fp32."""
+
+    def __call__(self, layer_idx, q, k, v, scale, window, soft_cap):
+        t, hq, _ = q.shape
+        k = k.repeat_interleave(hq // k.shape[1], 1)
+        v = v.repeat_interleave(hq // v.shape[1], 1)
+        s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+        if soft_cap:
+            s = torch.tanh(s / soft_cap) * soft_cap
+        i = torch.arange(t)
+        mask = i[None, :] <= i[:, None]
+        if window:
+            mask &= (i[:, None] - i[None, :]) < window
+        s = s.masked_fill(~mask, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v.float()).to(q.dtype)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_forward_equals_transformers_fp32(name):
+    hf = _hf(name)
+    hf.set_attn_implementation("eager")
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+        native, how = native_model(hf)
+        keep = torch.tensor([3, 11, 19])
+        got = native(ids[0], torch.arange(20), keep, DenseStep())
+        again = hf(ids).logits[0]  # transformers' parameters now point into the fused weights
+    assert how == "kvcore"
+    torch.testing.assert_close(got, ref[keep], rtol=1e-4, atol=1e-4)
+    assert torch.equal(again, ref)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_forward_agrees_with_transformers_bf16(name):
+    hf = _hf(name, dtype=torch.bfloat16)
+    hf.set_attn_implementation("eager")
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits[0].float()
+        native, _ = native_model(hf)
+        got = native(ids[0], torch.arange(20), torch.arange(20), DenseStep()).float()
+    assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_weights_are_shared_not_copied():
+    hf = _hf("tiny-llama")
+    native, _ = native_model(hf)
+    attn, layer = native.model.layers[0].self_attn, hf.model.layers[0].self_attn
+    fused = attn.qkv_proj.weight
+    q_rows = layer.q_proj.weight
+    assert q_rows.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert native.model.embed_tokens.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    assert native.lm_head.weight.data_ptr() == hf.lm_head.weight.data_ptr()
+
+
+def test_rms_norm_kernel_has_transformers_bits_in_fp32():
+    x, w = torch.randn(7, 576), torch.randn(576)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(F.rms_norm(x, (576,), w, 1e-5), ref)
+
+
+def _run(model, prompts, **kw):
+    llm = LLM(model, num_blocks=24, block_size=4, max_num_batched_tokens=16, **kw)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def test_fallback_switch_gives_the_same_tokens(monkeypatch, caplog):
+    model = tiny_llama(seed=3, **SMALL)
+    prompts = [np.random.default_rng(i).integers(3, 128, 9 + 5 * i).tolist() for i in range(3)]
+    with caplog.at_level(logging.INFO, logger="kvcore"):
+        native, got = _run(model, prompts)
+    assert native.engine.runner.model_impl == "kvcore"
+    assert "model code: kvcore (LlamaForCausalLM)" in caplog.text
+    monkeypatch.setenv("KVCORE_MODEL_IMPL", "transformers")
+    hf, want = _run(model, prompts)
+    assert hf.engine.runner.model_impl == "transformers" and hf.engine.runner.native is None
+    assert got == want == [hf_greedy(model, p, 8, pad_token_id=0) for p in prompts]
+
+
+def test_unsupported_falls_back_or_refuses():
+    model = tiny_llama(seed=0, **SMALL, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    native, reason = native_model(model)
+    assert native is None and "dynamic" in reason
+    runner = ModelRunner(model, num_blocks=8, block_size=4)
+    assert runner.model_impl == "transformers"
+    with pytest.raises(InvalidArgumentError, match="dynamic"):
+        ModelRunner(model, num_blocks=8, block_size=4, model_impl="kvcore")
+    with pytest.raises(InvalidArgumentError, match="model_impl"):
+        native_model(model, "vllm")
+
+
+def test_auto_dtype_follows_the_declared_dtype_where_the_cpu_computes_it(monkeypatch):
+    from kvcore.models import dtype as cpu_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(cpu_dtype, "cpu_has_native_bf16", lambda: True)
+    assert auto_dtype(torch.bfloat16, cpu) == torch.bfloat16
+    assert auto_dtype(torch.float16, cpu) == torch.float32
+    monkeypatch.setattr(cpu_dtype, "cpu_has_native_bf16", lambda: False)
+    assert auto_dtype(torch.bfloat16, cpu) == torch.float32
+    assert auto_dtype(torch.bfloat16, cuda) == torch.bfloat16
