@@ -1,6 +1,7 @@
 """End-to-end benchmark: kvcore vs transformers on a fixed workload, in the same run.
 
-Workload (kvcore.tools.workload.bench_workload): 64 requests arriving at once, prompts of 32-512 tokens
+Workload (kvcore.tools.workload.bench_workload): 64 requests arriving at once, prompts of
+32-512 tokens
 (``--variant shared``: the same 256 tokens first, then 32-256 of their own), max_tokens uniform
 in 16-256, greedy, EOS ignored. Model: ``tiny`` (Llama, hidden 512, 8 layers, 8 heads, 2 KV heads,
 intermediate 1408, vocab 32000, fp32, seeded random weights) or ``smollm2``.
@@ -37,10 +38,10 @@ import time  # noqa: E402
 import kvcore  # noqa: E402
 import torch  # noqa: E402
 from kvcore import _kvcore  # noqa: E402
-from kvcore.tools.baselines import hf_continuous, hf_generate  # noqa: E402
 from kvcore.entrypoints.llm import LLM  # noqa: E402
 from kvcore.models.loader import load_model, tiny_llama  # noqa: E402
 from kvcore.params import SamplingParams  # noqa: E402
+from kvcore.tools.baselines import hf_continuous, hf_generate  # noqa: E402
 from kvcore.tools.report import percentiles, summarize  # noqa: E402
 from kvcore.tools.workload import bench_workload  # noqa: E402
 

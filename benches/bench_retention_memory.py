@@ -20,8 +20,8 @@ import statistics
 
 import numpy as np
 from kvcore import _kvcore
-from kvcore.retention.spec import parse_retention
 from kvcore.retention.release import exact_release_window, kv_groups, model_windows
+from kvcore.retention.spec import parse_retention
 
 
 def model_config(name: str):

@@ -15,11 +15,11 @@ import random
 import time
 
 import torch
+from kvcore.models.loader import load_model
+from kvcore.retention.spec import parse_retention_list
+from kvcore.tools.corpus import corpus_ids
 from kvcore.tools.eval_kv import PagedLM
 from kvcore.tools.eval_retention import stream_perplexity
-from kvcore.models.loader import load_model
-from kvcore.tools.corpus import corpus_ids
-from kvcore.retention.spec import parse_retention_list
 
 
 def main() -> None:

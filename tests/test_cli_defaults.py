@@ -9,8 +9,8 @@ from kvcore.config import (
     default_kv_memory_bytes,
     resolve_device,
 )
-from kvcore.errors import InvalidArgumentError
 from kvcore.engine.generation_defaults import default_sampling_params, model_sampling_defaults
+from kvcore.errors import InvalidArgumentError
 from kvcore.tools.report import RunSummary, format_table, rows_json
 from transformers import GenerationConfig
 

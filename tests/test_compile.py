@@ -4,12 +4,12 @@ import kvcore_kernels
 import numpy as np
 import pytest
 import torch
-from kvcore.runner.attention_op import PLAN_STATS, attach_plan, paged_attention, plan_for
-from kvcore.runner.compile import compiled_graph_count
 from kvcore.entrypoints.llm import LLM
-from kvcore.runner.model_runner import ModelRunner
 from kvcore.models.loader import tiny_llama
 from kvcore.params import SamplingParams
+from kvcore.runner.attention_op import PLAN_STATS, attach_plan, paged_attention, plan_for
+from kvcore.runner.compile import compiled_graph_count
+from kvcore.runner.model_runner import ModelRunner
 from test_engine import SMALL
 
 BS, HK, HQ, D = 4, 2, 4, 16

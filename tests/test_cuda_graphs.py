@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 from kvcore import InvalidArgumentError
+from kvcore.models.loader import tiny_llama
 from kvcore.runner.cuda_graphs import DecodeBuffers, graph_sizes
 from kvcore.runner.model_runner import ModelRunner
-from kvcore.models.loader import tiny_llama
 from test_engine import SMALL
 from test_engine_runner import _plan
 

@@ -12,10 +12,10 @@ from kvcore import (
     StepFailedError,
     UnknownRequestError,
 )
+from kvcore.engine.request import salt_namespace
 from kvcore.entrypoints.llm import LLM
 from kvcore.models.loader import tiny_llama
 from kvcore.params import SamplingParams
-from kvcore.engine.request import salt_namespace
 from test_engine import SMALL, _check, _greedy, _prompts
 
 

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from kvcore.models.loader import tiny_llama
 from kvcore.runner.attention import CTX_KWARG, AttentionContext, register
 from kvcore.runner.model_runner import ModelRunner
-from kvcore.models.loader import tiny_llama
 from test_engine import SMALL
 
 

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from kvcore.retention.h2o import H2OTracker
 from kvcore.entrypoints.llm import LLM
+from kvcore.retention.h2o import H2OTracker
 from kvcore.retention.spec import parse_retention
 from test_engine import _check, _greedy, _prompts
 from test_retention_engine import llama  # noqa: F401  (fixture)

@@ -46,7 +46,8 @@ def _cycles(graph) -> list[list[str]]:
                     counter += 1
                     stack.append(child)
                     on_stack.add(child)
-                    work.append((child, iter(sorted(graph.find_modules_directly_imported_by(child)))))
+                    grand = sorted(graph.find_modules_directly_imported_by(child))
+                    work.append((child, iter(grand)))
                     break
                 if child in on_stack:
                     low[node] = min(low[node], index[child])

@@ -9,11 +9,11 @@ one-step KIVI perplexity warns (the CLI refuses it).
 import numpy as np
 import pytest
 import torch
+from kvcore.entrypoints.cli.plan import eval_kv_main
+from kvcore.models.loader import tiny_llama
 from kvcore.tools import mixed_precision
 from kvcore.tools.eval_kv import PagedLM, perplexity
 from kvcore.tools.mixed_precision import assign_mix, reading_chunk
-from kvcore.models.loader import tiny_llama
-from kvcore.entrypoints.cli.plan import eval_kv_main
 
 TINY = dict(
     num_hidden_layers=3, hidden_size=128, intermediate_size=256, num_attention_heads=4,

@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
+from kvcore.entrypoints.cli.plan import plan_main
 from kvcore.errors import InvalidArgumentError
 from kvcore.tools.planner import geometry, parse_memory, plan_capacity
-from kvcore.entrypoints.cli.plan import plan_main
 from kvcore_kernels.quant import block_layout, get_format
 
 SMOLLM2 = dict(

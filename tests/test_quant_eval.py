@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 from kvcore.errors import InvalidArgumentError
+from kvcore.models.loader import tiny_llama
 from kvcore.tools.eval_kv import (
     PagedLM,
     agreement,
@@ -15,7 +16,6 @@ from kvcore.tools.eval_kv import (
     perplexity,
 )
 from kvcore.tools.mixed_precision import assign_mix
-from kvcore.models.loader import tiny_llama
 
 TINY = dict(
     num_hidden_layers=3, hidden_size=128, intermediate_size=256, num_attention_heads=4,

@@ -6,10 +6,10 @@ are refused before anything runs where the kernels or formats cannot run them.""
 import numpy as np
 import pytest
 import torch
-from kvcore.errors import InvalidArgumentError
 from kvcore.entrypoints.llm import LLM
-from kvcore.retention.spec import RetentionError
+from kvcore.errors import InvalidArgumentError
 from kvcore.retention.release import fill_released, kernels_take_null_entries
+from kvcore.retention.spec import RetentionError
 from test_engine import SMALL, _check, _greedy, _hf_greedy, _prompts
 
 GEOMETRY = {**SMALL, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}

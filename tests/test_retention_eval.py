@@ -4,7 +4,10 @@ the H2O mass, and ``kvcore eval-kv --retention`` on the tiny random Llama."""
 import numpy as np
 import pytest
 import torch
+from kvcore.entrypoints.cli.plan import eval_kv_main
 from kvcore.errors import InvalidArgumentError
+from kvcore.models.loader import tiny_llama
+from kvcore.retention.spec import RetentionError, blocks_to_release, parse_retention
 from kvcore.tools.eval_kv import PagedLM, perplexity
 from kvcore.tools.eval_retention import (
     FILLER,
@@ -17,9 +20,6 @@ from kvcore.tools.eval_retention import (
     needle_cases,
     stream_perplexity,
 )
-from kvcore.models.loader import tiny_llama
-from kvcore.entrypoints.cli.plan import eval_kv_main
-from kvcore.retention.spec import RetentionError, blocks_to_release, parse_retention
 
 BS = 4
 TINY = dict(

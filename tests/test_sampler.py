@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 from kvcore import InvalidArgumentError
-from kvcore.params import SamplingParams
 from kvcore.engine.sampler import Sampler, mix_seed
+from kvcore.params import SamplingParams
 
 VOCAB = 50
 

@@ -7,8 +7,8 @@ import httpx
 import openai
 import pytest
 import torch
-from kvcore.models import dtype as cpu_dtype
 from kvcore.entrypoints.cli.main import main
+from kvcore.models import dtype as cpu_dtype
 from prometheus_client.parser import text_string_to_metric_families
 from serve_util import ServerProcess, make_model_dir
 

@@ -9,8 +9,6 @@ import types
 import pytest
 from kvcore import LLM, SamplingParams
 from kvcore.engine.async_engine import AsyncEngine, EngineError
-from kvcore.tools.bench_data import knee, make_dataset, rate_seed
-from kvcore.tools.bench_serve import Result, summarize
 from kvcore.entrypoints.openai.metrics import ServerMetrics
 from kvcore.entrypoints.openai.protocol import (
     ApiError,
@@ -19,6 +17,8 @@ from kvcore.entrypoints.openai.protocol import (
     parse_body,
 )
 from kvcore.errors import InvalidArgumentError
+from kvcore.tools.bench_data import knee, make_dataset, rate_seed
+from kvcore.tools.bench_serve import Result, summarize
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=512, max_position_embeddings=256)  # fmt: skip

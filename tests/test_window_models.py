@@ -14,9 +14,9 @@ from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError
 from kvcore.entrypoints.llm import LLM
 from kvcore.models.loader import MODEL_NAMES, check_supported, load_model
-from kvcore.tools.planner import geometry
 from kvcore.models.tiny import TINY_WINDOW, TINY_WINDOW_MODELS, tiny_window_model
 from kvcore.models.windows import layer_windows, visible_tokens, window_groups
+from kvcore.tools.planner import geometry
 from test_engine import VOCAB, _greedy, _prompts
 
 # retention="full" (every block kept) once LLM takes a retention policy (issue 12): these tests

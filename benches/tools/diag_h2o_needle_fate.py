@@ -11,10 +11,10 @@ import sys
 
 import numpy as np
 import torch
-from kvcore.tools import eval_retention as er
-from kvcore.tools.eval_kv import PagedLM
 from kvcore.models.loader import load_model
 from kvcore.retention.spec import blocks_to_release, parse_retention
+from kvcore.tools import eval_retention as er
+from kvcore.tools.eval_kv import PagedLM
 
 BS = 16
 

@@ -16,9 +16,9 @@ import time
 
 import numpy as np
 import torch
-from kvcore.tools.bench_data import make_dataset
 from kvcore.entrypoints.llm import LLM
 from kvcore.params import SamplingParams
+from kvcore.tools.bench_data import make_dataset
 from kvcore_kernels import chunks_torch
 
 

@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 import torch
-from kvcore.tools.bench_data import make_dataset, rate_seed
 from kvcore.entrypoints.llm import LLM
 from kvcore.params import SamplingParams
+from kvcore.tools.bench_data import make_dataset, rate_seed
 
 
 def main() -> None:

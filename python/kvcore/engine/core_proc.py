@@ -38,7 +38,6 @@ from typing import Any
 import zmq
 
 from kvcore.engine.async_engine import engine_snapshot
-from kvcore.engine.inspect import engine_view
 from kvcore.engine.core_messages import (
     EngineInputs,
     EngineOutputs,
@@ -46,6 +45,7 @@ from kvcore.engine.core_messages import (
     decoder,
     encoder,
 )
+from kvcore.engine.inspect import engine_view
 from kvcore.errors import KvCoreError, UnknownRequestError
 
 log = logging.getLogger("kvcore.engine")

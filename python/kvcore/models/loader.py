@@ -38,7 +38,8 @@ from kvcore.models.gguf import cache_dir, convert_gguf, quiet_loading
 
 # Llama-family decoders checked against transformers 5.24: attention via ALL_ATTENTION_FUNCTIONS,
 # RoPE from position_ids, a mask built by create_causal_mask / create_sliding_window_causal_mask.
-# DeepSeek-V2/V3 (MLA) run on kvcore's latent cache with its own attention modules (kvcore.runner.mla).
+# DeepSeek-V2/V3 (MLA) run on kvcore's latent cache with its own attention modules
+# (kvcore.runner.mla).
 # Gemma 2 and Gemma 3 (text) add per-layer windows (layer_types), per-type RoPE, q/k norms,
 # query_pre_attn_scalar and (Gemma 2) logit soft-capping, all handed to the attention function.
 SUPPORTED_MODEL_TYPES = frozenset(

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from kvcore.errors import InvalidArgumentError
-from kvcore.retention.spec import RetentionError, RetentionPolicy, parse_retention
 from kvcore.models.windows import layer_windows
+from kvcore.retention.spec import RetentionError, RetentionPolicy, parse_retention
 
 
 def model_windows(config: Any) -> tuple[int | None, ...]:

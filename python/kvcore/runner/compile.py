@@ -1,9 +1,9 @@
 """The compiled forward: ``torch.compile`` (inductor) over the unmodified transformers model.
 
 The model runs with kvcore's attention through the custom op ``torch.ops.kvcore.paged_attention``
-(``kvcore.runner.attention_op``), so dynamo traces everything else (embedding, RMSNorm, RoPE, the MLP's
-SiLU-multiply, the LM head) into one graph that inductor fuses, with one opaque node per layer
-for the cache write and the paged attention.
+(``kvcore.runner.attention_op``), so dynamo traces everything else (embedding, RMSNorm, RoPE,
+the MLP's SiLU-multiply, the LM head) into one graph that inductor fuses, with one opaque node per
+layer for the cache write and the paged attention.
 
 Shapes: every step packs a different number of tokens (and requests, and block-table columns),
 so those dimensions are marked dynamic before each call and one graph serves all sizes. torch

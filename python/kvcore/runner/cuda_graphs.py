@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from kvcore_kernels import AttentionMetadata
 
-from kvcore.runner.attention_op import attach_plan
 from kvcore.errors import InvalidArgumentError
+from kvcore.runner.attention_op import attach_plan
 
 
 def graph_sizes(max_num_seqs: int, sizes: list[int] | None = None) -> list[int]:

@@ -2,8 +2,8 @@
 
 Every router answers one question, ``choose(tokens, loads) -> replica``, where ``loads`` maps each
 live replica id to its queue length (requests routed there and not finished), and is told what
-it routed (``routed``) so it can learn. The simulator (``kvcore.tools.sim_cluster``) and the Ray Serve
-deployment (``kvcore.scaleout.ray_router``) call the same objects.
+it routed (``routed``) so it can learn. The simulator (``kvcore.tools.sim_cluster``) and the Ray
+Serve deployment (``kvcore.scaleout.ray_router``) call the same objects.
 
 Prefix routing keeps an approximate radix tree per replica: kvcore's own Rust prefix cache
 (``KvCacheManager`` in radix mode) fed with the token ids routed to that replica. Its block pool

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from kvcore.errors import InvalidArgumentError
-from kvcore.tools.eval_kv import PagedLM
 from kvcore.retention.spec import RetentionPolicy, blocks_to_release
+from kvcore.tools.eval_kv import PagedLM
 
 
 class Streamer:

@@ -1,7 +1,7 @@
 """Scheduler simulator: a synthetic arrival stream, no model, paged KV vs two baselines.
 
     python -m kvcore.tools.sim --seed 0
-    python -m kvcore.tools.sim --replicas 64 --router prefix   # replicas and routers: sim_cluster.py
+    python -m kvcore.tools.sim --replicas 64 --router prefix   # replicas, routers: sim_cluster
 
 Requests arrive as a Poisson stream (``--rate`` per step) with uniform prompt lengths and
 geometric output lengths under a ``--max-tokens`` cap. Every step "samples" one token per

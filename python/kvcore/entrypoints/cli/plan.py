@@ -2,7 +2,8 @@
 
 * ``plan_main(argv)``: the capacity table of a Hugging Face config for a memory budget.
 * ``eval_kv_main(argv)``: the quality gate on the embedded SmolLM2 (or any supported model)
-  (with ``--retention LIST``, the retention gate instead: ``kvcore.entrypoints.cli.eval_retention``):
+  (with ``--retention LIST``, the retention gate instead:
+  ``kvcore.entrypoints.cli.eval_retention``):
   ``name: value unit`` lines per format (bytes per token, perplexity and its change, greedy
   agreement, needle retrieval, per-layer attention error), then one summary table.
 """
@@ -194,13 +195,15 @@ def _eval(args: argparse.Namespace) -> None:
         ppl = ev.perplexity(lm, spec, ppl_seqs, args.chunk)
         base = ppl if base is None else base
         table[name].update(ppl=ppl, dppl=100 * (ppl / base - 1))
-        ca.emit_lines([(f"ppl_{name}", ppl, ""), (f"ppl_delta_pct_{name}", table[name]["dppl"], "%")])
+        dppl = table[name]["dppl"]
+        ca.emit_lines([(f"ppl_{name}", ppl, ""), (f"ppl_delta_pct_{name}", dppl, "%")])
     phase = _phase("ppl", phase)
     reference = ev.greedy_reference(lm, prompts, args.gen)
     for name, spec in specs.items():
         agree = 100 * ev.agreement(lm, spec, prompts, reference)
         table[name]["agree"] = agree
-        ca.emit_lines([(f"agreement_{name}", agree, f"% of {len(prompts)}x{args.gen} greedy tokens")])
+        unit = f"% of {len(prompts)}x{args.gen} greedy tokens"
+        ca.emit_lines([(f"agreement_{name}", agree, unit)])
     phase = _phase("agreement", phase)
     lengths = args.needle_lengths
     if lengths:
