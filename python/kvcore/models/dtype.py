@@ -3,10 +3,10 @@
 kvcore's ``dtype="auto"`` keeps the checkpoint's declared dtype (SmolLM2: its upstream
 ``bfloat16`` where this CPU computes it natively, ``kvcore.models.loader.auto_dtype``); the
 exactness tests ask for fp32 to compare token for token with transformers' fp32 greedy decoding.
-On a CPU with native bfloat16 (Intel AMX-BF16 or AVX512-BF16: Sapphire Rapids and later, Zen 4 and later)
-oneDNN runs a bf16 linear several times faster than fp32 (docs/serving.md, "Model dtype"), so
-``kvcore run``/``kvcore serve`` print one line suggesting ``--dtype bfloat16`` when they run fp32
-on such a CPU without having been asked for fp32.
+On a CPU with native bfloat16 (Intel AMX-BF16 or AVX512-BF16: Sapphire Rapids and later, Zen 4
+and later) oneDNN runs a bf16 linear several times faster than fp32 (docs/serving.md, "Model
+dtype"), so ``kvcore run``/``kvcore serve`` print one line suggesting ``--dtype bfloat16`` when
+they run fp32 on such a CPU without having been asked for fp32.
 """
 
 from __future__ import annotations
