@@ -16,7 +16,8 @@ from typing import Any
 
 from kvcore.engine.core_messages import RequestDelta
 from kvcore.engine.detokenizer import IncrementalDetokenizer
-from kvcore.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvcore.engine.request import completion_outputs
+from kvcore.outputs import RequestMetrics, RequestOutput
 from kvcore.params import SamplingParams
 
 
@@ -144,34 +145,9 @@ class TrackedRequest:
         if self.metrics.finished_time is None:
             self.metrics.finished_time = now
 
-    def _text(self, s: _Sample, finished: bool) -> str:
-        if s.detok is not None:
-            return s.detok.text
-        if not finished or self.tokenizer is None or not self.params.detokenize:
-            return ""
-        if s.text is None:
-            s.text = self.tokenizer.decode(
-                s.token_ids, skip_special_tokens=self.params.skip_special_tokens
-            )
-        return s.text
-
     def output(self, finished: bool, error: str | None = None) -> RequestOutput:
         """A cumulative snapshot, as ``Request.output`` makes it in the engine."""
-        outs = []
-        for s in self.samples:
-            lp = s.logprobs
-            outs.append(
-                CompletionOutput(
-                    index=s.index,
-                    text=self._text(s, finished),
-                    token_ids=list(s.token_ids),
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
-                    cumulative_logprob=float(sum(lp)) if lp is not None else None,
-                    logprobs=list(lp) if lp is not None else None,
-                    top_logprobs=list(s.top_logprobs) if s.top_logprobs is not None else None,
-                )
-            )
+        outs = completion_outputs(self.samples, finished, self.tokenizer, self.params)
         return RequestOutput(
             self.request_id,
             None,

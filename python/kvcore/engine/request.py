@@ -108,6 +108,41 @@ def _reason(reason: Any) -> str:
     return reason if isinstance(reason, str) else str(getattr(reason, "name", reason)).lower()
 
 
+def sample_text(s: Any, finished: bool, tokenizer: Any, params: SamplingParams) -> str:
+    """A sample's text: streamed (its detokenizer's), or decoded once when it finishes."""
+    if s.detok is not None:
+        return s.detok.text
+    if not finished or tokenizer is None or not params.detokenize:
+        return ""
+    if s.text is None:
+        s.text = tokenizer.decode(s.token_ids, skip_special_tokens=params.skip_special_tokens)
+    return s.text
+
+
+def completion_outputs(
+    samples: list[Any], finished: bool, tokenizer: Any, params: SamplingParams
+) -> list[CompletionOutput]:
+    """Cumulative ``CompletionOutput`` snapshots of a request's samples (each has ``index``,
+    ``token_ids``, ``finish_reason``, ``stop_reason``, ``logprobs``, ``top_logprobs``, ``detok``
+    and ``text``): the engine's ``Request`` and the front-end's ``TrackedRequest`` share it."""
+    outs = []
+    for s in samples:
+        lp = s.logprobs
+        outs.append(
+            CompletionOutput(
+                index=s.index,
+                text=sample_text(s, finished, tokenizer, params),
+                token_ids=list(s.token_ids),
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                cumulative_logprob=float(np.sum(lp)) if lp is not None else None,
+                logprobs=list(lp) if lp is not None else None,
+                top_logprobs=list(s.top_logprobs) if s.top_logprobs is not None else None,
+            )
+        )
+    return outs
+
+
 @dataclass(slots=True)
 class Sample:
     """One completion being produced."""
@@ -252,34 +287,9 @@ class Request:
         for s in self.samples:
             sampler.remove(s.slot)
 
-    def _text(self, s: Sample, finished: bool) -> str:
-        if s.detok is not None:
-            return s.detok.text
-        if not finished or self.tokenizer is None or not self.params.detokenize:
-            return ""
-        if s.text is None:
-            s.text = self.tokenizer.decode(
-                s.token_ids, skip_special_tokens=self.params.skip_special_tokens
-            )
-        return s.text
-
     def output(self, finished: bool) -> RequestOutput:
         """A RequestOutput snapshot (cumulative tokens and text)."""
-        outs = []
-        for s in self.samples:
-            lp = s.logprobs
-            outs.append(
-                CompletionOutput(
-                    index=s.index,
-                    text=self._text(s, finished),
-                    token_ids=list(s.token_ids),
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
-                    cumulative_logprob=float(np.sum(lp)) if lp is not None else None,
-                    logprobs=list(lp) if lp is not None else None,
-                    top_logprobs=list(s.top_logprobs) if s.top_logprobs is not None else None,
-                )
-            )
+        outs = completion_outputs(self.samples, finished, self.tokenizer, self.params)
         return RequestOutput(
             self.request_id,
             self.prompt,
