@@ -47,7 +47,7 @@ def workload(kind: str, seed: int, n: int, vocab: int = 49152) -> list[list[int]
 def kvcore_worker(model_dir: str, threads: int, mode: str):
     import torch
     from kvcore.entrypoints.llm import LLM
-    from kvcore.outputs import SamplingParams
+    from kvcore.params import SamplingParams
 
     torch.set_num_threads(threads)
     llm = LLM(

@@ -39,7 +39,7 @@ def top_level_ops(prof) -> collections.Counter:
 def measure(impl: str, args) -> dict:
     os.environ["KVCORE_MODEL_IMPL"] = impl
     from kvcore.entrypoints.llm import LLM
-    from kvcore.outputs import SamplingParams
+    from kvcore.params import SamplingParams
 
     model = "smollm2-135m" if args.model == "smollm2" else "tiny-llama"
     llm = LLM(

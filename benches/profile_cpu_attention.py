@@ -15,7 +15,7 @@ import argparse
 import time
 
 import torch
-from kvcore.llm import LLM
+from kvcore.entrypoints.llm import LLM
 from kvcore.params import SamplingParams
 from kvcore_kernels import cpu_native
 from torch.profiler import ProfilerActivity, profile, record_function

@@ -17,7 +17,7 @@ from kvcore.entrypoints.llm import LLM
 from kvcore.models.loader import auto_dtype, tiny_llama
 from kvcore.models.native import native_model
 from kvcore.models.tiny import tiny_window_model
-from kvcore.outputs import SamplingParams
+from kvcore.params import SamplingParams
 from kvcore.runner.model_runner import ModelRunner
 from test_engine import SMALL
 
