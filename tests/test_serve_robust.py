@@ -30,21 +30,23 @@ BATCH = 8  # requests sent at once per example
 FUZZ_BATCHES = int(os.environ.get("KVCORE_FUZZ_REQUESTS", "2000")) // BATCH
 COUNTS = {"fuzzed_requests": 0}
 
-WRAPPER = """
-import os, sys, time
-from kvcore.runner import model_runner as mr
-real, flag = mr.ModelRunner.execute, os.environ["KVCORE_TEST_DELAY_FILE"]
-def execute(self, *a, **k):
-    try:
-        d = float(open(flag).read() or 0)
-    except (OSError, ValueError):
-        d = 0.0
-    if d:
-        time.sleep(d)
-    return real(self, *a, **k)
-mr.ModelRunner.execute = execute
-from kvcore.entrypoints.cli.main import main
-sys.exit(main(sys.argv[1:]))
+# A step delay read from a file, patched into every process of the server (the front-end and
+# the engine-core process) through a sitecustomize module on PYTHONPATH.
+SITECUSTOMIZE = """
+import os, time
+flag = os.environ.get("KVCORE_TEST_DELAY_FILE")
+if flag:
+    from kvcore.runner import model_runner as mr
+    real = mr.ModelRunner.execute
+    def execute(self, *a, **k):
+        try:
+            d = float(open(flag).read() or 0)
+        except (OSError, ValueError):
+            d = 0.0
+        if d:
+            time.sleep(d)
+        return real(self, *a, **k)
+    mr.ModelRunner.execute = execute
 """
 
 
@@ -58,9 +60,13 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         e = env()
         e["KVCORE_TEST_DELAY_FILE"] = str(self.delay_file)
+        site = tmp / "site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        e["PYTHONPATH"] = os.pathsep.join([str(site), e["PYTHONPATH"]])
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WRAPPER, "serve", "--model", str(model), "--served-model-name",
+            [sys.executable, "-m", "kvcore", "serve", "--model", str(model), "--served-model-name",
              "tiny", "--port", str(self.port), "--num-blocks", "512", "--max-model-len", "256",
              "--max-num-seqs", "4", "--max-waiting", str(MAX_WAITING), "--max-body-bytes",
              str(1 << 16), "--threads", "1", "--shutdown-grace-s", str(GRACE_S)],

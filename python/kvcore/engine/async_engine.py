@@ -124,6 +124,11 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def cut(self, why: str) -> None:
+        """End what still runs (the server's shutdown at the end of its grace period): here,
+        stopping the engine thread aborts every open request."""
+        self.stop(timeout=0)
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort what is left, stop the thread and wait for it."""
         self._stop.set()

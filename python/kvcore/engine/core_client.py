@@ -189,6 +189,17 @@ class EngineCoreClient:
             self._pending.aborts.append(request_id)
         self._schedule_flush(None)
 
+    def cut(self, why: str) -> None:
+        """End every open request now with ``EngineError(why)`` (streams get an error event) and
+        abort them in the engine, which keeps running until ``stop`` (the server's shutdown at
+        the end of its grace period)."""
+        with self._lock:
+            for rid, req in self._tracked.items():
+                if not req.closed:
+                    self._pending.aborts.append(rid)
+        self._flush()
+        self._fail_all(EngineError(why))
+
     async def call(self, name: str, *args: Any) -> Any:
         """A utility call in the engine process (``wait_published``, ``tier_figures``)."""
         if self.dead is not None:

@@ -265,7 +265,7 @@ def run_server(state: ServerState, host: str, port: int, grace_s: float, log_lev
         # runs, so each open stream ends with an error event and [DONE] (responses.sse), not
         # with a cancelled task.
         state.shutdown_cut = True
-        state.engine.stop(timeout=0)
+        state.engine.cut("the server is shutting down")
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
