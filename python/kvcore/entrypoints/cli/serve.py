@@ -50,10 +50,13 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def serve_main(argv: list[str]) -> int:
     """Entry of ``kvcore serve``."""
+    from kvcore.engine.args import EngineArgs
     from kvcore.engine.factory import make_engine
     from kvcore.entrypoints.openai.server import make_state, run_server, start_state
 
     args = serve_parser().parse_args(argv)
+    # Settings are refused here, in one line (exit 2), before an engine process starts.
+    EngineArgs.from_cli_args(args).validate()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.replicas < 1:
         serve_parser().error(f"--replicas must be at least 1, got {args.replicas}")

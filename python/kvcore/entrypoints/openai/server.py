@@ -168,7 +168,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        # Rendered off the event loop: the dashboard's series may ask the engine process for a
+        # picture (one utility call answered on this loop).
+        dash = getattr(state, "dashboard", None)
+        if dash is not None:
+            dash.loop = asyncio.get_running_loop()
+        body = await asyncio.to_thread(state.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

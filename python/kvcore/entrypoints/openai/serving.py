@@ -43,6 +43,9 @@ class ServerState:
     metrics: Any = None
     draining: bool = False
     shutdown_cut: bool = False  # the grace period ended: what still runs was aborted
+    # prompts admitted whose submits have not returned yet (they count as waiting: bursts of
+    # requests are admitted before any of their submits has run)
+    reserved: int = 0
     model_dtype: str = ""
 
 
@@ -193,10 +196,11 @@ def _admit(state: ServerState, num_prompts: int = 1) -> None:
             "(--max-waiting): split it.",
             param="prompt",
         )
-    if cap is not None and state.engine.num_waiting + num_prompts > cap:
+    waiting = state.engine.num_waiting + state.reserved
+    if cap is not None and waiting + num_prompts > cap:
         raise ApiError(
             503,
-            f"The server is overloaded ({state.engine.num_waiting} requests waiting): retry later.",
+            f"The server is overloaded ({waiting} requests waiting): retry later.",
             type="server_error",
             code="overloaded",
             headers={"Retry-After": "1"},
@@ -222,6 +226,7 @@ async def run(state: ServerState, job: Job) -> AsyncIterator[tuple[int, RequestO
         for i, (prompt, params) in enumerate(zip(job.prompts, job.params, strict=True))
     ]
     tasks = [asyncio.ensure_future(s) for s in submits]
+    state.reserved += len(tasks)
     try:
         await asyncio.wait(tasks)
     except BaseException:  # cancelled: each pending submit aborts its own request
@@ -231,6 +236,8 @@ async def run(state: ServerState, job: Job) -> AsyncIterator[tuple[int, RequestO
             if t.done() and not t.cancelled() and t.exception() is None:
                 t.result().close()
         raise
+    finally:
+        state.reserved -= len(tasks)
     errors = [t.exception() for t in tasks if t.exception() is not None]
     job.streams.extend(t.result() for t in tasks if t.exception() is None)
     if errors:
