@@ -23,6 +23,7 @@ import asyncio
 import collections
 import hmac
 import json
+import logging
 import math
 import threading
 import time
@@ -38,6 +39,7 @@ from kvcore.entrypoints.openai.protocol import ApiError
 STATIC = resources.files("kvcore.entrypoints.openai") / "static" / "dashboard"
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".txt": "text/plain"}
 HISTORY = 300  # points kept (5 minutes at one a second)
+log = logging.getLogger("kvcore.dashboard")
 CPU_SHARE = 0.005  # while requests run, pictures take at most this share of the server's CPU
 MAX_AGE_S = 5.0  # ... unless the newest picture is older than this
 
@@ -257,7 +259,13 @@ class CacheCollector:
 
         if getattr(self.dashboard, "_building", False):  # inside a picture: nothing to add
             return
-        pic = self.dashboard.picture()
+        try:
+            pic = self.dashboard.picture()
+        except Exception as e:  # noqa: BLE001 - a scrape never fails for the dashboard's series
+            # e.g. a Ray replica's metrics push, off the event loop that reaches the engine
+            # process: the other series are still rendered.
+            log.debug("dashboard series skipped: %s", e)
+            return
         if not pic:
             return
         kv, tiers, m, p = pic["kv"], pic["tiers"], self.model, self.prefix
