@@ -81,9 +81,9 @@ def test_closed_loop_keeps_concurrency(workload):
     def hook(llm):
         eng, step = llm.engine, llm.engine._step
 
-        def counted():
+        def counted(*args, **kwargs):  # the engine's _step (its owner argument passed through)
             peak.append(eng.get_num_unfinished_requests())
-            return step()
+            return step(*args, **kwargs)
 
         eng._step = counted
 
