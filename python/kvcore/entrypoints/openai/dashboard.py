@@ -154,6 +154,8 @@ class Dashboard:
             return True
         if not self.state.engine.snapshot.get("num_unfinished", 0):
             return True
+        if getattr(self.state.engine, "engine", None) is None:
+            return True  # engine process: the view is built there (~1 ms a second), not here
         return self._last_cpu <= CPU_SHARE * (time.process_time() - self._proc_at)
 
     def _build(self, now: float) -> dict[str, Any]:
