@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -27,9 +28,10 @@ SMALL = dict(
 )
 
 
-def make_model_dir(path: Path) -> Path:
+def make_model_dir(path: Path, **config: Any) -> Path:
     """A tiny random Llama with a byte-level BPE tokenizer (trained here, 400 tokens) and a chat
-    template: the tiny model with text, so every endpoint can be tested in seconds."""
+    template: the tiny model with text, so every endpoint can be tested in seconds. ``config``
+    overrides fields of ``SMALL`` (a test that needs a slower step asks for a wider model)."""
     import pydoc_data.topics
 
     from kvcore.models.loader import tiny_llama
@@ -51,7 +53,7 @@ def make_model_dir(path: Path) -> Path:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
-    tiny_llama(seed=0, vocab_size=len(fast), **SMALL).save_pretrained(path)
+    tiny_llama(seed=0, vocab_size=len(fast), **{**SMALL, **config}).save_pretrained(path)
     return path
 
 

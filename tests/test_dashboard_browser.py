@@ -26,6 +26,13 @@ SHARED = (
 )
 
 
+# Wide enough that a decode step takes tens of ms on one thread: a 400-token stream then runs
+# for seconds, so the page (redrawn once a second) sees it running before it ends on its own.
+# (The 64-wide test model finishes 400 tokens in about a second, a race the page could lose.)
+WIDE = dict(hidden_size=768, num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=4,
+            intermediate_size=3072)  # fmt: skip
+
+
 def _playwright():
     sync_api = pytest.importorskip(
         "playwright.sync_api", reason="playwright missing: pip install pytest-playwright"
@@ -37,7 +44,7 @@ def _playwright():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = make_model_dir(tmp_path_factory.mktemp("tiny-dash"))
+    model = make_model_dir(tmp_path_factory.mktemp("tiny-dash"), **WIDE)
     srv = ServerProcess(
         "--model", str(model), "--served-model-name", "tiny", "--api-key", KEY,
         "--num-blocks", str(NUM_BLOCKS), "--block-size", "4", "--max-model-len", "512",
@@ -183,7 +190,7 @@ def test_aborted_stream_blocks_turn_free(dash_page, server, client):
             break
         dash_page.wait_for_timeout(100)
     states = cells.evaluate_all("els => els.map(e => e.dataset.state)")
-    assert len(mine) >= 8, titles[:5]  # its prompt blocks at least
+    assert len(mine) >= 8, (titles[:5], dash_page.text_content("#status"), server.health())
     assert {states[i] for i in mine} <= {"running", "shared"}
     legend = dash_page.evaluate("Chart.getChart('c-tenant-blocks').data.datasets.map(d => d.label)")
     assert "tenant-abort" in legend  # its tenant has a line in "Blocks held per cache_salt"

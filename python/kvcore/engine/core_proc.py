@@ -17,8 +17,11 @@ traceback of a failed start, then exit 1).
 The process never blocks on the front-end: its PUSH socket has no high-water mark, so a
 front-end that stops reading costs memory, never a step. It ignores SIGINT/SIGTERM (the
 front-end drains, then sends ``shutdown``) and exits when its parent dies (``getppid`` changes;
-checked every turn, so within a step or 200 ms). Utility calls (``wait_published``) run in a
-side thread.
+checked every turn, so within a step or 200 ms). Quick utility calls (the dashboard's view,
+the tier figures, ~1 ms) run in the loop between steps: a side thread would wait on the
+engine's state lock, which a busy step loop re-takes before a waiter wakes (seen: a view
+starved for over 10 s under five streams on 2 cores). Blocking ones (``wait_published``) run
+in a side thread.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ def engine_info(engine: Any) -> dict[str, Any]:
         "model_dtype": str(engine.model.dtype).removeprefix("torch."),
         "prefix_caching": cc.prefix_caching,
     }
+
+
+_INLINE = frozenset({"dashboard_view", "tier_figures"})  # utility calls that never block
 
 
 class EngineCoreProc:
@@ -145,7 +151,10 @@ class EngineCoreProc:
                     self._deliver(engine.abort_request(rid), out)
         for call_id, name, args in msg.calls:
             self._calls_pending += 1
-            threading.Thread(target=self._call, args=(call_id, name, args), daemon=True).start()
+            if name in _INLINE:  # between steps, holding nothing
+                self._call(call_id, name, args)
+            else:
+                threading.Thread(target=self._call, args=(call_id, name, args), daemon=True).start()
         return msg.shutdown
 
     def _step(self, out: EngineOutputs) -> None:
@@ -204,7 +213,7 @@ class EngineCoreProc:
                     RequestDelta(rid, [], finished=True, error=error or "the engine stopped")
                 )
 
-    # ---- utility calls (side thread) -----------------------------------------------------
+    # ---- utility calls (inline or a side thread) -----------------------------------------------------
 
     def _call(self, call_id: int, name: str, args: list[Any]) -> None:
         try:
