@@ -12,7 +12,9 @@ Workload (issue 24): per seed, ``--requests`` (48) prompts of 128-384 random tok
 Each engine runs in its own long-lived worker process (kvcore in this interpreter, vLLM in the
 peer venv's), one per thread setting (and kvcore per forward mode); the parent sends every case
 to every worker in turn, so the engines are measured interleaved, seconds apart, on a machine
-whose load changes. A worker warms up (and compiles) before its first timed case. Output: per case
+whose load changes. Only the running worker runs: the others are stopped (SIGSTOP to their
+process group), since an idle vLLM spins and would slow whichever engine runs beside it. A
+worker warms up (and compiles) before its first timed case. Output: per case
 and worker the output tok/s; per case the ratios kvcore/vLLM at each one's best setting and at 1
 thread each; the worst case over seeds; and the token-for-token agreement of the outputs.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -123,9 +126,20 @@ class Worker:
         cmd = [python, __file__, "--worker", engine, "--model-dir", model_dir]
         cmd += ["--threads", str(threads), "--mode", mode]
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-        )
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            start_new_session=True,  # its own process group: paused and resumed as one
+        )  # fmt: skip
         self.ready = self._read()
+        self.pause()
+
+    # An idle vLLM keeps polling (its engine-core process spins on its input): measured here,
+    # an idle vLLM worker beside a running kvcore worker cost kvcore 18-35% of its tok/s. So
+    # every worker but the one running is stopped (SIGSTOP to its process group).
+    def pause(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
 
     def _read(self) -> dict:
         assert self.proc.stdout is not None
@@ -136,11 +150,17 @@ class Worker:
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
         assert self.proc.stdin is not None
+        self.resume()
+        time.sleep(1.0)  # let it settle (threads wake, caches refill)
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
-        return self._read()
+        try:
+            return self._read()
+        finally:
+            self.pause()
 
     def close(self) -> None:
+        self.resume()
         if self.proc.stdin:
             self.proc.stdin.close()
         self.proc.wait(timeout=120)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
 
 ITEM_ROWS = 48  # query rows (tokens x GQA group) per item: the scratch stays in L1/L2
@@ -233,3 +234,33 @@ def run(
         threads, MODES[OPTIONS.mode], OPTIONS.portable, OPTIONS.fuse_heads,
     )  # fmt: skip
     return out
+
+
+def store(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """Write a step's K/V rows into their slots in place (the caller checked the arguments with
+    ``check_store_args``); False, with nothing written, where the layout is not the one the
+    native copy takes (a token's heads not contiguous in the source or in a slot: the twin
+    runs). A slot past the cache's end raises ``KernelConfigError`` before any write."""
+    if _native is None or kv_cache.device.type != "cpu":
+        return False
+    nb, _, bs, hk, d = kv_cache.shape
+    rows_ok = all(t.stride(1) == d and t.stride(2) == 1 for t in (key, value))
+    if not rows_ok or kv_cache.stride(3) != d or kv_cache.stride(4) != 1:
+        return False
+    n = key.shape[0]
+    if n == 0:
+        return True
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    slots = slots.contiguous()
+    e = kv_cache.element_size()
+    try:
+        _native.store_kv(
+            key.data_ptr(), value.data_ptr(), key.stride(0) * e, value.stride(0) * e, hk * d * e,
+            kv_cache.data_ptr(), kv_cache.stride(0) * e, kv_cache.stride(1) * e,
+            kv_cache.stride(2) * e, bs, nb * bs, slots.data_ptr(), n,
+        )  # fmt: skip
+    except ValueError as err:
+        raise KernelConfigError(str(err)) from None
+    return True

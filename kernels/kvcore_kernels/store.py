@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from kvcore_kernels import cpu_native
 from kvcore_kernels.cache import check_backend, check_kv_cache
+from kvcore_kernels.checks import check_store_args
 from kvcore_kernels.store_torch import store_kv_torch
 
 
@@ -23,7 +25,9 @@ def store_kv(
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` in place.
 
-    ``backend``: "auto" (Triton on CUDA, the torch twin otherwise), "triton" or "torch".
+    ``backend``: "auto" (Triton on CUDA; on the CPU the native row copy of ``cpu_native``,
+    where the extension is built and the layout allows, else the torch twin), "triton",
+    "torch" (the twin) or "cpu" (native where it can, else the twin).
     A ``kvcore_kernels.quant.QuantKVCache`` is quantized on write (``store_kv_quant``; ``meta``,
     the step's ``AttentionMetadata``, is needed only by KIVI with a residual window).
     """
@@ -35,9 +39,14 @@ def store_kv(
             store_kv_quant(key, value, kv_cache, slot_mapping, meta=meta, backend=backend)
             return
     check_kv_cache(kv_cache)
-    if check_backend(backend, kv_cache.device) == "triton":
+    resolved = check_backend(backend, kv_cache.device)
+    if resolved == "triton":
         from kvcore_kernels.store_triton import store_kv_triton
 
         store_kv_triton(key, value, kv_cache, slot_mapping)
-    else:
-        store_kv_torch(key, value, kv_cache, slot_mapping)
+        return
+    if resolved == "cpu" or (backend == "auto" and kv_cache.device.type == "cpu"):
+        check_store_args(key, value, kv_cache, slot_mapping)
+        if cpu_native.store(key, value, kv_cache, slot_mapping):
+            return
+    store_kv_torch(key, value, kv_cache, slot_mapping)

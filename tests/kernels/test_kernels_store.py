@@ -8,6 +8,7 @@ import torch
 from kernel_reference import make_batch, reference_attention, triton_interpreted
 
 BACKENDS = ["torch", "triton"]
+CPU_BACKENDS = ["torch", "auto", "cpu"]  # auto/cpu: the native row copy where it is built
 
 
 def backend_or_skip(backend: str, device: str = "cpu") -> str:
@@ -30,7 +31,7 @@ def expected_store(cache, key, value, slots):
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + CPU_BACKENDS[1:])
 def test_store_writes_only_real_slots(gen, backend, dtype, slot_dtype):
     backend_or_skip(backend)
     num_blocks, block_size, heads, dim = 9, 8, 3, 64
@@ -56,13 +57,38 @@ def test_store_strided_inputs(gen):
     assert torch.equal(cache, want)
 
 
-def test_store_past_the_end_raises_and_changes_nothing():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_store_past_the_end_raises_and_changes_nothing(backend):
     cache = kk.allocate_kv_cache(3, 8, 1, 64, torch.float32, "cpu")
     before = cache.clone()
     key = torch.ones(2, 1, 64)
     with pytest.raises(kk.KernelConfigError, match="past the cache"):
-        kk.store_kv(key, key, cache, torch.tensor([9, 24]), backend="torch")
+        kk.store_kv(key, key, cache, torch.tensor([9, 24]), backend=backend)
     assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 128])
+def test_native_store_matches_the_twin(gen, block_size):
+    """The native row copy, where built, writes what the twin writes, strided rows too; where a
+    token's heads are not adjacent it declines (False, nothing written) and the twin runs."""
+    from kvcore_kernels import cpu_native
+
+    if not cpu_native.available():
+        pytest.skip("the native extension is not built")
+    num_blocks, heads, dim = 30 // block_size + 2, 3, 64  # at least 20 slots past the null block
+    cache = torch.randn(num_blocks, 2, block_size, heads, dim, generator=gen).bfloat16()
+    fused = torch.randn(20, 3, heads, dim, generator=gen).bfloat16()  # a fused QKV's output
+    key, value = fused[:, 1], fused[:, 2]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:20] - block_size // 2
+    want = expected_store(cache, key, value, slots)
+    assert cpu_native.store(key, value, cache, slots)
+    assert torch.equal(cache, want)
+    apart = torch.randn(20, 2 * heads, dim, generator=gen).bfloat16()[:, ::2]  # heads apart
+    before = cache.clone()
+    assert not cpu_native.store(apart, apart, cache, slots)
+    assert torch.equal(cache, before)
+    kk.store_kv(apart, apart, cache, slots)  # auto: the twin takes it
+    assert torch.equal(cache, expected_store(before, apart, apart, slots))
 
 
 def test_store_triton_skips_slots_past_the_end(gen):
@@ -87,12 +113,13 @@ def test_store_triton_skips_slots_past_the_end(gen):
         (lambda k, v, c, s: (k[..., ::2], v, c, s), "num_tokens"),
     ],
 )
-def test_store_bad_input(mutate, match):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_store_bad_input(mutate, match, backend):
     cache = kk.allocate_kv_cache(3, 8, 2, 64, torch.float32, "cpu")
     key = torch.ones(3, 2, 64)
     args = mutate(key, key.clone(), cache, torch.tensor([8, 9, 10]))
     with pytest.raises(kk.KernelConfigError, match=match):
-        kk.store_kv(*args, backend="torch")
+        kk.store_kv(*args, backend=backend)
     assert cache.count_nonzero() == 0
 
 

@@ -6,6 +6,7 @@
 //! * `attend`: one item (request x KV head x query tokens x key range), the online softmax.
 //! * `simd`: the 16-lane vector type, AVX-512 or portable, chosen at run time here.
 //! * `pool`: torch's OpenMP team, a rayon pool or the calling thread.
+//! * `store`: a step's K/V rows written into their cache slots.
 
 // Index loops over fixed 16-lane arrays read clearer than iterator chains here; the unsafe
 // functions' contract (live memory of the stated shapes) is stated once, on `run`.
@@ -19,6 +20,7 @@
 pub mod attend;
 pub mod pool;
 pub mod simd;
+pub mod store;
 
 use attend::{run_item, scratch_len, Call};
 use simd::Portable;

@@ -1,4 +1,5 @@
-//! The Python binding: `paged_attention(...)` over addresses, `set_gomp_parallel`, `features`.
+//! The Python binding: `paged_attention(...)` and `store_kv(...)` over addresses,
+//! `set_gomp_parallel`, `features`.
 
 use crate::attend::{Call, Dt, Fmt};
 use crate::pool::{self, Mode};
@@ -135,6 +136,56 @@ fn paged_attention(
     res.map_err(|_| PyRuntimeError::new_err("native paged attention panicked"))
 }
 
+/// Write K/V rows into their cache slots (`crate::store`); returns the rows stored. Raises
+/// ValueError, before writing anything, for a slot past the cache's end (a negative slot, like
+/// one in the null block, is not stored: the twin's rule).
+#[pyfunction]
+#[pyo3(signature = (
+    key, value, key_stride, value_stride, row_bytes, cache, stride_block, v_offset,
+    stride_slot, block_size, num_slots, slots, num_tokens
+))]
+#[allow(clippy::too_many_arguments)]
+fn store_kv(
+    py: Python<'_>,
+    key: usize,
+    value: usize,
+    key_stride: usize,
+    value_stride: usize,
+    row_bytes: usize,
+    cache: usize,
+    stride_block: usize,
+    v_offset: usize,
+    stride_slot: usize,
+    block_size: usize,
+    num_slots: usize,
+    slots: usize,
+    num_tokens: usize,
+) -> PyResult<usize> {
+    if block_size == 0 {
+        return Err(PyValueError::new_err("block_size must be positive"));
+    }
+    let slots = unsafe { std::slice::from_raw_parts(slots as *const i64, num_tokens) };
+    if let Some((i, s)) = crate::store::bad_slot(slots, num_slots) {
+        return Err(PyValueError::new_err(format!(
+            "slot {s} (token {i}) is past the cache's {num_slots} slots"
+        )));
+    }
+    let s = crate::store::Store {
+        key: key as *const u8,
+        value: value as *const u8,
+        key_stride,
+        value_stride,
+        row_bytes,
+        cache: cache as *mut u8,
+        stride_block,
+        v_offset,
+        stride_slot,
+        block_size,
+        num_slots,
+    };
+    Ok(py.detach(|| unsafe { crate::store::store(&s, slots) }))
+}
+
 /// Record libgomp's `GOMP_parallel` address (0: none) for thread mode 1.
 #[pyfunction]
 fn set_gomp_parallel(addr: usize) {
@@ -154,6 +205,7 @@ fn features() -> (bool, bool, bool, bool) {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(store_kv, m)?)?;
     m.add_function(wrap_pyfunction!(set_gomp_parallel, m)?)?;
     m.add_function(wrap_pyfunction!(features, m)?)?;
     Ok(())
