@@ -32,15 +32,18 @@ cpu() { awk '{print ($14+$15)/100}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 kids_cpu() { local t=0; for c in $(pgrep -P "$1"); do t=$(echo "$t + $(cpu "$c")" | bc); done; echo "$t"; }
 
 sweep() {  # label port seed server-pid
+  # Each (dataset, rate) draws its own prompts (seed*100 + k): with one seed for all rates, the
+  # second rate re-sent the first one's prompts, and the prefix cache answered them.
+  local k=0
   for DS in $DATASETS; do
     EXTRA=""; [ "$DS" = prefix ] && EXTRA="--random-prefix-len 512"
     for R in $RATES; do
-      F="$1-$DS-seed$3-r$R.json"
+      F="$1-$DS-seed$3-r$R.json"; k=$((k + 1))
       local f0 k0; f0=$(cpu "$4"); k0=$(kids_cpu "$4")
       "$VCLI" bench serve --backend openai --base-url "http://127.0.0.1:$2" --model smollm2 \
         --tokenizer "$SMOL_HF" --dataset-name random --random-input-len 256 \
         --random-range-ratio 0.5 --random-output-len 64 --ignore-eos --temperature 0 \
-        --num-prompts "$N" --request-rate "$R" --seed "$3" $EXTRA --save-result \
+        --num-prompts "$N" --request-rate "$R" --seed "$(($3 * 100 + k))" $EXTRA --save-result \
         --result-dir "$OUT" --result-filename "$F" > "$OUT/${F%.json}.txt" 2>&1 || true
       local fcpu kcpu; fcpu=$(echo "$(cpu "$4") - $f0" | bc); kcpu=$(echo "$(kids_cpu "$4") - $k0" | bc)
       "$KPY" - "$OUT/$F" "$1" "$DS" "$3" "$R" "$fcpu" "$kcpu" "$(cut -d' ' -f1 /proc/loadavg)" \

@@ -112,7 +112,7 @@ unsafe impl Send for Call {}
 
 /// Floats of scratch one thread needs for items of up to `rows` rows (all heads).
 pub fn scratch_len(rows: usize, d: usize) -> usize {
-    2 * rows * d + 2 * rows + 2 * W * d + rows * W + 2 * W + d + rows * d / 2 + W * d / 2 + W
+    2 * rows * d + 2 * rows + 2 * W * d + rows * W + 2 * W + d + rows * d / 2 + W * d + rows * W / 2
 }
 
 #[inline(always)]
@@ -316,7 +316,11 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let dpbf16 = S::DPBF16 && d % 32 == 0 && (F == 1 || (F >= 3 && c.dt == Dt::Bf16));
     let (qb_f, rest) = rest.split_at_mut(rows * d / 2);
     let qb = qb_f.as_mut_ptr() as *mut u16; // [rows, d] bf16 query rows (dpbf16 only)
-    let kb = rest.as_mut_ptr() as *mut u16; // [W, d] a converted K tile (dpbf16, F >= 3)
+    let (kb_f, rest) = rest.split_at_mut(W * d / 2);
+    let kb = kb_f.as_mut_ptr() as *mut u16; // [W, d] a converted K tile (dpbf16, F >= 3)
+    let (vp_f, rest) = rest.split_at_mut(W * d / 2);
+    let vp = vp_f.as_mut_ptr() as *mut u32; // [W / 2, d] V tile as key pairs (dpbf16 prefill)
+    let pb = rest.as_mut_ptr() as *mut u32; // [hrows, W / 2] probabilities as bf16 pairs
     let zero_row = zero.as_ptr() as *const u8; // zero in every format
 
     let seq_len = *c.seq_lens.add(req);
@@ -557,6 +561,36 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     2 => pv_direct::<S, F, 2>(ar, pr, d, &vptr, nk),
                     3 => pv_direct::<S, F, 3>(ar, pr, d, &vptr, nk),
                     _ => pv_direct::<S, F, 4>(ar, pr, d, &vptr, nk),
+                }
+                continue;
+            }
+            if dpbf16 {
+                // Many rows (prefill): P in bf16 (as flash attention's P.V), V re-laid as key
+                // pairs, one bf16-pair dot product per two keys: half the FMAs of fp32.
+                let njp = nk.div_ceil(2);
+                for jp in 0..njp {
+                    let (va, vb) = (vptr[2 * jp], vptr[2 * jp + 1]); // a non-real key: zero row
+                    for cc in 0..nc {
+                        S::store_pair_rows(
+                            load_row::<S, F>(va, cc * W),
+                            load_row::<S, F>(vb, cc * W),
+                            vp.add(jp * d + cc * W),
+                        );
+                    }
+                }
+                for r in r_lo..r_hi {
+                    S::load(p.as_ptr().add(r * W)).store_bf16_pairs(pb.add(r * (W / 2)));
+                }
+                let mut r = r_lo;
+                while r < r_hi {
+                    let (ar, pr) = (acch.add(r * d), pb.add(r * (W / 2)) as *const u32);
+                    match r_hi - r {
+                        1 => S::pv_pairs::<1>(ar, pr, d, vp, njp),
+                        2 => S::pv_pairs::<2>(ar, pr, d, vp, njp),
+                        3 => S::pv_pairs::<3>(ar, pr, d, vp, njp),
+                        _ => S::pv_pairs::<4>(ar, pr, d, vp, njp),
+                    }
+                    r += 4;
                 }
                 continue;
             }

@@ -44,6 +44,30 @@ pub trait Simd: Copy {
     unsafe fn store_bf16x2(_lo: Self, _hi: Self, _p: *mut u16) {
         unreachable!("store_bf16x2 needs AVX-512 BF16")
     }
+    /// Store the 16 lanes as 8 dwords of bf16 pairs (round to nearest even): dword `i` holds
+    /// lanes `2i` (low half) and `2i + 1` (high half).
+    #[inline(always)]
+    unsafe fn store_bf16_pairs(self, _p: *mut u32) {
+        unreachable!("store_bf16_pairs needs AVX-512 BF16")
+    }
+    /// Store 16 dwords: dword `i` = bf16 of `lo[i]` (low half), bf16 of `hi[i]` (high half),
+    /// truncated: exact for values bf16 holds (bf16, int8 and fp8 codes).
+    #[inline(always)]
+    unsafe fn store_pair_rows(_lo: Self, _hi: Self, _p: *mut u32) {
+        unreachable!("store_pair_rows needs AVX-512 BF16")
+    }
+    /// `acc[x][:] += sum_jp pb[x][jp] . vp[jp][:]` for `NR` rows (`acc` rows `d` apart, `pb`
+    /// rows `W / 2` dwords apart), each term a bf16-pair dot product (two keys at once).
+    #[inline(always)]
+    unsafe fn pv_pairs<const NR: usize>(
+        _acc: *mut f32,
+        _pb: *const u32,
+        _d: usize,
+        _vp: *const u32,
+        _njp: usize,
+    ) {
+        unreachable!("pv_pairs needs AVX-512 BF16")
+    }
 }
 
 /// tanh from exp: 1 - 2 / (e^{2x} + 1), saturating for large |x|.
@@ -313,6 +337,55 @@ mod avx {
         unsafe fn store_bf16x2(lo: Self, hi: Self, p: *mut u16) {
             let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi.0, lo.0));
             _mm512_storeu_si512(p as *mut _, packed)
+        }
+        #[inline(always)]
+        unsafe fn store_bf16_pairs(self, p: *mut u32) {
+            let packed: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(self.0));
+            _mm256_storeu_si256(p as *mut _, packed)
+        }
+        #[inline(always)]
+        unsafe fn store_pair_rows(lo: Self, hi: Self, p: *mut u32) {
+            let l = _mm512_srli_epi32::<16>(_mm512_castps_si512(lo.0));
+            let h = _mm512_and_si512(_mm512_castps_si512(hi.0), _mm512_set1_epi32(-65536));
+            _mm512_storeu_si512(p as *mut _, _mm512_or_si512(l, h))
+        }
+        #[inline(always)]
+        unsafe fn pv_pairs<const NR: usize>(
+            acc: *mut f32,
+            pb: *const u32,
+            d: usize,
+            vp: *const u32,
+            njp: usize,
+        ) {
+            let mut cc = 0;
+            while cc < d {
+                // 32 columns per pass (d is a multiple of 32 on this path)
+                let mut a0 = [_mm512_setzero_ps(); NR];
+                let mut a1 = [_mm512_setzero_ps(); NR];
+                for x in 0..NR {
+                    a0[x] = _mm512_loadu_ps(acc.add(x * d + cc));
+                    a1[x] = _mm512_loadu_ps(acc.add(x * d + cc + W));
+                }
+                for jp in 0..njp {
+                    let v0: __m512bh =
+                        std::mem::transmute(_mm512_loadu_si512(vp.add(jp * d + cc) as *const _));
+                    let v1: __m512bh = std::mem::transmute(_mm512_loadu_si512(
+                        vp.add(jp * d + cc + W) as *const _,
+                    ));
+                    for x in 0..NR {
+                        let pj: __m512bh = std::mem::transmute(_mm512_set1_epi32(
+                            *pb.add(x * (W / 2) + jp) as i32,
+                        ));
+                        a0[x] = _mm512_dpbf16_ps(a0[x], pj, v0);
+                        a1[x] = _mm512_dpbf16_ps(a1[x], pj, v1);
+                    }
+                }
+                for x in 0..NR {
+                    _mm512_storeu_ps(acc.add(x * d + cc), a0[x]);
+                    _mm512_storeu_ps(acc.add(x * d + cc + W), a1[x]);
+                }
+                cc += 2 * W;
+            }
         }
         #[inline(always)]
         unsafe fn dot16_bf16(q: *const u16, k: &[*const u8; W], d: usize) -> Self {
