@@ -213,7 +213,7 @@ class EngineCoreProc:
                     RequestDelta(rid, [], finished=True, error=error or "the engine stopped")
                 )
 
-    # ---- utility calls (inline or a side thread) -----------------------------------------------------
+    # ---- utility calls (inline or a side thread) ---------------------------------------------
 
     def _call(self, call_id: int, name: str, args: list[Any]) -> None:
         try:
