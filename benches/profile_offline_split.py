@@ -1,0 +1,91 @@
+"""Where the offline SmolLM2 job's wall time goes: GEMMs, attention (prefill and decode steps),
+the K/V store, the rest. Issue 24/25's workload (``bench_vs_vllm_cpu.workload``: 48 prompts of
+128-384 random token ids, optionally after one shared 512-token prefix, 64 greedy tokens, EOS
+ignored), eager, kvcore's own model code. Each call is timed from Python by wrapping it (no
+profiler: its per-op cost would inflate the small ops), so the shares add up to the job's wall.
+
+    python benches/profile_offline_split.py [--threads 2] [--workload random|shared] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from typing import Any
+
+import kvcore_kernels
+import torch
+import torch.nn.functional as F
+
+TIMES: collections.Counter = collections.Counter()
+
+
+def timed(name: str, fn: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[name] += time.perf_counter() - t0
+
+    return call
+
+
+class _TimedKernels:
+    """``kvcore_kernels`` as the model code's attention sees it, every call timed; attention
+    split by step kind (a decode step has one query token per request)."""
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(kvcore_kernels, name)
+        if name != "paged_attention":
+            return timed(name, fn)
+
+        def attend(q, cache, meta, **kwargs):
+            kind = "decode" if q.shape[0] == meta.seq_lens.numel() else "prefill"
+            return timed(f"attention, {kind} steps", fn)(q, cache, meta, **kwargs)
+
+        return attend
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", default="/work/peers/vllm_cpu/smollm2-hf")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workload", choices=["random", "shared"], default="random")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    import kvcore.models.layers.linear as linear
+    import kvcore.runner.native as native
+    from bench_vs_vllm_cpu import workload
+    from kvcore.entrypoints.llm import LLM
+    from kvcore.params import SamplingParams
+
+    native.kvcore_kernels = _TimedKernels()  # type: ignore[assignment]
+    linear.F = type("F", (), {"linear": staticmethod(timed("GEMMs (F.linear)", F.linear))})
+    llm = LLM(
+        args.model_dir, dtype="bfloat16", num_blocks=4096, max_num_batched_tokens=2048,
+        enforce_eager=True, model_impl="kvcore",
+    )  # fmt: skip
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([[5] * 40, [6] * 70], warm, use_tqdm=False)
+    TIMES.clear()
+    prompts = workload(args.workload, args.seed, args.requests)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    print(f"{args.workload} seed {args.seed}, {args.threads} threads: wall {wall:.2f} s")
+    for name, s in TIMES.most_common():
+        print(f"  {name:28s} {s:6.2f} s  {100 * s / wall:5.1f} %")
+    rest = wall - sum(TIMES.values())
+    print(f"  {'the rest':28s} {rest:6.2f} s  {100 * rest / wall:5.1f} %")
+    attn = sum(s for n, s in TIMES.items() if n.startswith("attention") or n == "store_kv")
+    print(f"attention_share_pct: {100 * attn / wall:.1f}")
+
+
+if __name__ == "__main__":
+    main()
