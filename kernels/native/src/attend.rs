@@ -11,6 +11,11 @@
 //!   scores   s[r][j] = sum_d q[r][d] * kt[d][j]               (q pre-scaled; no horizontal sums)
 //!   P.V      acc[r][:] += p[r][j] * v[j][:]                   (v decoded once per tile)
 //!
+//! With AVX-512 BF16 and bf16 queries (bf16 caches; int8 / fp8 ones converted exactly) the K
+//! tile is re-laid as dimension pairs instead (`kp[dp][j]`, a 16 x 16 dword transpose per 32
+//! dimensions) and each score row is `d / 2` broadcast `vdpbf16ps`; prefill rows do P.V the same
+//! way on V re-laid as key pairs, with P rounded to bf16 (as flash attention's P.V).
+//!
 //! A key is visible to a row if it lies in [qpos - window + 1, qpos] and its block is not
 //! released (block-table entry 0 inside the sequence, when the call says blocks were released):
 //! a bit mask per row and tile. Masked or missing keys point at a zero row, so the null block is
@@ -481,10 +486,28 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     }
                 }
                 let qs = S::splat(c.scale * kscale_of(hh));
-                for r in r_lo..r_hi {
-                    S::dot16_bf16(qb.add((hq0 + r) * d), &krows, d)
-                        .mul(qs)
-                        .store(p.as_mut_ptr().add(r * W));
+                // K tile as dimension pairs (a 16 x 16 dword transpose per 32 dimensions):
+                // kp[dp][j] = (K[j][2 dp], K[j][2 dp + 1]), then broadcast dot products.
+                let kp = kt.as_mut_ptr() as *mut u32; // kt is free on this path
+                for c2 in 0..d / (2 * W) {
+                    let mut tile: [S; W] =
+                        std::array::from_fn(|j| S::load((krows[j] as *const f32).add(c2 * W)));
+                    S::transpose(&mut tile);
+                    for (i, v) in tile.iter().enumerate() {
+                        v.store(kp.add((c2 * W + i) * W) as *mut f32);
+                    }
+                }
+                let mut r = r_lo;
+                while r < r_hi {
+                    let qr = qb.add((hq0 + r) * d) as *const u32;
+                    let pr = p.as_mut_ptr().add(r * W);
+                    match r_hi - r {
+                        1 => S::qk_pairs::<1>(qr, d, kp, qs, pr),
+                        2 => S::qk_pairs::<2>(qr, d, kp, qs, pr),
+                        3 => S::qk_pairs::<3>(qr, d, kp, qs, pr),
+                        _ => S::qk_pairs::<4>(qr, d, kp, qs, pr),
+                    }
+                    r += 4;
                 }
             } else {
                 // K tile, transposed: kt[dd * W + j] = K[j][dd]

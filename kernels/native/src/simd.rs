@@ -32,13 +32,8 @@ pub trait Simd: Copy {
     unsafe fn load_i8(p: *const i8) -> Self;
     unsafe fn load_e4m3(p: *const u8) -> Self;
     unsafe fn load_e5m2(p: *const u8) -> Self;
-    /// Whether `dot16_bf16` is implemented (AVX-512 BF16 dot products).
+    /// Whether the bf16-pair methods below are implemented (AVX-512 BF16 dot products).
     const DPBF16: bool = false;
-    /// Lane j: `sum_d q[d] * k[j][d]` over bf16 rows of `d` elements (`d` a multiple of 32).
-    #[inline(always)]
-    unsafe fn dot16_bf16(_q: *const u16, _k: &[*const u8; W], _d: usize) -> Self {
-        unreachable!("dot16_bf16 needs AVX-512 BF16")
-    }
     /// Store `lo` then `hi` as 32 bf16 (round to nearest even; exact for int8 / fp8 values).
     #[inline(always)]
     unsafe fn store_bf16x2(_lo: Self, _hi: Self, _p: *mut u16) {
@@ -55,6 +50,19 @@ pub trait Simd: Copy {
     #[inline(always)]
     unsafe fn store_pair_rows(_lo: Self, _hi: Self, _p: *mut u32) {
         unreachable!("store_pair_rows needs AVX-512 BF16")
+    }
+    /// `p[x][j] = scale * sum_dp q[x][dp] . kp[dp][j]` for `NR` rows (`q` rows of `d / 2` dwords
+    /// of bf16 pairs, `p` rows `W` apart), `kp` the K tile as dimension pairs (`d / 2` rows of `W`
+    /// dwords): one broadcast bf16-pair dot product per two dimensions, no horizontal sums.
+    #[inline(always)]
+    unsafe fn qk_pairs<const NR: usize>(
+        _q: *const u32,
+        _d: usize,
+        _kp: *const u32,
+        _scale: Self,
+        _p: *mut f32,
+    ) {
+        unreachable!("qk_pairs needs AVX-512 BF16")
     }
     /// `acc[x][:] += sum_jp pb[x][jp] . vp[jp][:]` for `NR` rows (`acc` rows `d` apart, `pb`
     /// rows `W / 2` dwords apart), each term a bf16-pair dot product (two keys at once).
@@ -293,31 +301,6 @@ mod avx {
     #[derive(Clone, Copy)]
     pub struct Avx512<const BF: bool>(pub __m512);
 
-    /// Sum each of 16 vectors into one lane: four levels of 128-bit / 32-bit / 64-bit shuffles
-    /// and adds (45 instructions for 16 sums). Output lane `4q + e` holds the sum of input `4e + q`.
-    #[inline(always)]
-    unsafe fn reduce16(v: &[__m512; W]) -> __m512 {
-        let a: [__m512; 8] = std::array::from_fn(|i| {
-            _mm512_add_ps(
-                shuf::<0x44>(v[2 * i], v[2 * i + 1]),
-                shuf::<0xee>(v[2 * i], v[2 * i + 1]),
-            )
-        });
-        let b: [__m512; 4] = std::array::from_fn(|i| {
-            _mm512_add_ps(
-                shuf::<0x88>(a[2 * i], a[2 * i + 1]),
-                shuf::<0xdd>(a[2 * i], a[2 * i + 1]),
-            )
-        });
-        let c: [__m512; 2] = std::array::from_fn(|i| {
-            _mm512_add_ps(
-                _mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]),
-                _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]),
-            )
-        });
-        _mm512_add_ps(lo_pd(c[0], c[1]), hi_pd(c[0], c[1]))
-    }
-
     #[inline(always)]
     unsafe fn shuf<const IMM: i32>(a: __m512, b: __m512) -> __m512 {
         _mm512_shuffle_f32x4::<IMM>(a, b)
@@ -388,21 +371,39 @@ mod avx {
             }
         }
         #[inline(always)]
-        unsafe fn dot16_bf16(q: *const u16, k: &[*const u8; W], d: usize) -> Self {
-            let mut acc = [_mm512_setzero_ps(); W];
-            for (slot, a) in acc.iter_mut().enumerate() {
-                let kp = k[(slot % 4) * 4 + slot / 4] as *const u16; // reduce16's lane order
-                let mut c = 0;
-                while c < d {
-                    let qv: __m512bh =
-                        std::mem::transmute(_mm512_loadu_si512(q.add(c) as *const _));
-                    let kv: __m512bh =
-                        std::mem::transmute(_mm512_loadu_si512(kp.add(c) as *const _));
-                    *a = _mm512_dpbf16_ps(*a, qv, kv);
-                    c += 32;
+        unsafe fn qk_pairs<const NR: usize>(
+            q: *const u32,
+            d: usize,
+            kp: *const u32,
+            scale: Self,
+            p: *mut f32,
+        ) {
+            // two accumulators per row (even / odd dimension pairs): 2 * NR chains in flight
+            let dp = d / 2;
+            let mut s0 = [_mm512_setzero_ps(); NR];
+            let mut s1 = [_mm512_setzero_ps(); NR];
+            let mut i = 0;
+            while i < dp {
+                let k0: __m512bh =
+                    std::mem::transmute(_mm512_loadu_si512(kp.add(i * W) as *const _));
+                let k1: __m512bh =
+                    std::mem::transmute(_mm512_loadu_si512(kp.add((i + 1) * W) as *const _));
+                for x in 0..NR {
+                    let q0: __m512bh =
+                        std::mem::transmute(_mm512_set1_epi32(*q.add(x * dp + i) as i32));
+                    let q1: __m512bh =
+                        std::mem::transmute(_mm512_set1_epi32(*q.add(x * dp + i + 1) as i32));
+                    s0[x] = _mm512_dpbf16_ps(s0[x], q0, k0);
+                    s1[x] = _mm512_dpbf16_ps(s1[x], q1, k1);
                 }
+                i += 2;
             }
-            Avx512(reduce16(&acc))
+            for x in 0..NR {
+                _mm512_storeu_ps(
+                    p.add(x * W),
+                    _mm512_mul_ps(_mm512_add_ps(s0[x], s1[x]), scale.0),
+                );
+            }
         }
         #[inline(always)]
         unsafe fn splat(x: f32) -> Self {
@@ -582,9 +583,23 @@ mod tests {
             .map(|i| f32_to_bf16(((i * 7919) % 97) as f32 / 13.0 - 3.0))
             .collect();
         let q = &vals[16 * d..];
-        let k: [*const u8; W] = std::array::from_fn(|j| vals[j * d..].as_ptr() as *const u8);
+        // K as dimension pairs: kp[dp][j] = (K[j][2 dp], K[j][2 dp + 1])
+        let kp: Vec<u32> = (0..d / 2 * W)
+            .map(|x| {
+                let (dp, j) = (x / W, x % W);
+                vals[j * d + 2 * dp] as u32 | (vals[j * d + 2 * dp + 1] as u32) << 16
+            })
+            .collect();
         let mut out = [0f32; W];
-        Avx512::<true>::dot16_bf16(q.as_ptr(), &k, d).store(out.as_mut_ptr());
+        let half = Avx512::<true>::splat(0.5);
+        Avx512::<true>::qk_pairs::<1>(
+            q.as_ptr() as *const u32,
+            d,
+            kp.as_ptr(),
+            half,
+            out.as_mut_ptr(),
+        );
+        out.iter_mut().for_each(|x| *x *= 2.0);
         for j in 0..W {
             let want: f32 = (0..d)
                 .map(|e| bf16_to_f32(q[e]) * bf16_to_f32(vals[j * d + e]))
