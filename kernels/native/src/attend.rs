@@ -576,6 +576,22 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 (if int8 { e.mul(vsc) } else { e }).store(pr);
             }
             // P.V
+            if r_hi - r_lo <= 4 && dpbf16 && F == 1 {
+                // Few rows (decode), bf16 cache: V rows paired in registers straight from the
+                // cache, P in bf16 pairs, one bf16-pair dot product per two keys.
+                for r in r_lo..r_hi {
+                    S::load(p.as_ptr().add(r * W)).store_bf16_pairs(pb.add(r * (W / 2)));
+                }
+                let (ar, pr) = (acch.add(r_lo * d), pb.add(r_lo * (W / 2)) as *const u32);
+                let njp = nk.div_ceil(2);
+                match r_hi - r_lo {
+                    1 => S::pv_pairs_direct::<1>(ar, pr, d, &vptr, njp),
+                    2 => S::pv_pairs_direct::<2>(ar, pr, d, &vptr, njp),
+                    3 => S::pv_pairs_direct::<3>(ar, pr, d, &vptr, njp),
+                    _ => S::pv_pairs_direct::<4>(ar, pr, d, &vptr, njp),
+                }
+                continue;
+            }
             if r_hi - r_lo <= 4 {
                 // Few rows (decode): V rows widened straight from the cache into the FMAs.
                 let (ar, pr) = (acch.add(r_lo * d), p.as_ptr().add(r_lo * W));

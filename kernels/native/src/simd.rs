@@ -64,6 +64,19 @@ pub trait Simd: Copy {
     ) {
         unreachable!("qk_pairs needs AVX-512 BF16")
     }
+    /// `pv_pairs` reading bf16 V rows in place (`v[j]`, key `j`'s row; `2 * njp` of them): each
+    /// pair of keys interleaved into dimension-wise pairs in registers (two word permutes per 32
+    /// columns), then one bf16-pair dot product per row.
+    #[inline(always)]
+    unsafe fn pv_pairs_direct<const NR: usize>(
+        _acc: *mut f32,
+        _pb: *const u32,
+        _d: usize,
+        _v: &[*const u8; W],
+        _njp: usize,
+    ) {
+        unreachable!("pv_pairs_direct needs AVX-512 BF16")
+    }
     /// `acc[x][:] += sum_jp pb[x][jp] . vp[jp][:]` for `NR` rows (`acc` rows `d` apart, `pb`
     /// rows `W / 2` dwords apart), each term a bf16-pair dot product (two keys at once).
     #[inline(always)]
@@ -361,6 +374,50 @@ mod avx {
                         ));
                         a0[x] = _mm512_dpbf16_ps(a0[x], pj, v0);
                         a1[x] = _mm512_dpbf16_ps(a1[x], pj, v1);
+                    }
+                }
+                for x in 0..NR {
+                    _mm512_storeu_ps(acc.add(x * d + cc), a0[x]);
+                    _mm512_storeu_ps(acc.add(x * d + cc + W), a1[x]);
+                }
+                cc += 2 * W;
+            }
+        }
+        #[inline(always)]
+        unsafe fn pv_pairs_direct<const NR: usize>(
+            acc: *mut f32,
+            pb: *const u32,
+            d: usize,
+            v: &[*const u8; W],
+            njp: usize,
+        ) {
+            // word 2c of `lo` = a[c], word 2c + 1 = b[c] (c < 16); `hi` the same for c + 16
+            let idx_lo = _mm512_set_epi16(
+                47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                36, 4, 35, 3, 34, 2, 33, 1, 32, 0,
+            );
+            let idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+            let mut cc = 0;
+            while cc < d {
+                let mut a0 = [_mm512_setzero_ps(); NR];
+                let mut a1 = [_mm512_setzero_ps(); NR];
+                for x in 0..NR {
+                    a0[x] = _mm512_loadu_ps(acc.add(x * d + cc));
+                    a1[x] = _mm512_loadu_ps(acc.add(x * d + cc + W));
+                }
+                for jp in 0..njp {
+                    let va = _mm512_loadu_si512((v[2 * jp] as *const u16).add(cc) as *const _);
+                    let vb = _mm512_loadu_si512((v[2 * jp + 1] as *const u16).add(cc) as *const _);
+                    let lo: __m512bh =
+                        std::mem::transmute(_mm512_permutex2var_epi16(va, idx_lo, vb));
+                    let hi: __m512bh =
+                        std::mem::transmute(_mm512_permutex2var_epi16(va, idx_hi, vb));
+                    for x in 0..NR {
+                        let pj: __m512bh = std::mem::transmute(_mm512_set1_epi32(
+                            *pb.add(x * (W / 2) + jp) as i32,
+                        ));
+                        a0[x] = _mm512_dpbf16_ps(a0[x], pj, lo);
+                        a1[x] = _mm512_dpbf16_ps(a1[x], pj, hi);
                     }
                 }
                 for x in 0..NR {
