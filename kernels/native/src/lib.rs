@@ -7,6 +7,7 @@
 //! * `simd`: the 16-lane vector type, AVX-512 or portable, chosen at run time here.
 //! * `pool`: torch's OpenMP team, a rayon pool or the calling thread.
 //! * `store`: a step's K/V rows written into their cache slots.
+//! * `ops`: row-wise bf16 element-wise ops of a forward (RMSNorm + residual, SiLU-and-mul, rotary).
 
 // Index loops over fixed 16-lane arrays read clearer than iterator chains here; the unsafe
 // functions' contract (live memory of the stated shapes) is stated once, on `run`.
@@ -18,6 +19,7 @@
 #![allow(clippy::result_unit_err, clippy::manual_is_multiple_of)]
 
 pub mod attend;
+pub mod ops;
 pub mod pool;
 pub mod simd;
 pub mod store;
@@ -152,6 +154,41 @@ pub unsafe fn run(
         })?;
     }
     Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma")]
+unsafe fn ops_avx512(c: &ops::Rows, lo: usize, hi: usize) {
+    ops::run_rows::<simd::Avx512<false>>(c, lo, hi)
+}
+
+/// Rows `lo .. hi` of an element-wise call, AVX-512 where the CPU has it unless `portable`.
+///
+/// # Safety
+/// The pointers and strides of `c` must describe live bf16 rows of the stated shapes.
+pub unsafe fn run_ops_rows(c: &ops::Rows, lo: usize, hi: usize, portable: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if !portable && has_avx512() {
+        return ops_avx512(c, lo, hi);
+    }
+    let _ = portable;
+    ops::run_rows::<Portable>(c, lo, hi)
+}
+
+/// An element-wise call over all its rows, in tasks of `c.rows_per_task()` rows.
+///
+/// # Safety
+/// As `run_ops_rows`; rows written by one task are read by no other.
+pub unsafe fn run_ops(
+    c: &ops::Rows,
+    threads: usize,
+    mode: pool::Mode,
+    portable: bool,
+) -> Result<(), ()> {
+    let per = c.rows_per_task();
+    pool::for_each(c.rows.div_ceil(per), threads, mode, &|t| unsafe {
+        run_ops_rows(c, t * per, ((t + 1) * per).min(c.rows), portable)
+    })
 }
 
 #[cfg(feature = "python")]

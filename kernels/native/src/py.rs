@@ -75,12 +75,7 @@ fn paged_attention(
         5 => Fmt::E5m2,
         _ => return Err(PyValueError::new_err(format!("unknown format code {fmt}"))),
     };
-    let mode = match mode {
-        0 => Mode::Single,
-        1 => Mode::Omp,
-        2 => Mode::Rayon,
-        _ => return Err(PyValueError::new_err(format!("unknown thread mode {mode}"))),
-    };
+    let mode = mode_of(mode)?;
     if head_dim % crate::simd::W != 0
         || head_dim == 0
         || num_kv_heads == 0
@@ -186,6 +181,77 @@ fn store_kv(
     Ok(py.detach(|| unsafe { crate::store::store(&s, slots) }))
 }
 
+fn mode_of(mode: u8) -> PyResult<Mode> {
+    match mode {
+        0 => Ok(Mode::Single),
+        1 => Ok(Mode::Omp),
+        2 => Ok(Mode::Rayon),
+        _ => Err(PyValueError::new_err(format!("unknown thread mode {mode}"))),
+    }
+}
+
+/// A row-wise bf16 element-wise op over raw addresses (`kvcore_kernels.ops_cpu` checks the
+/// tensors): op 0 RMSNorm (+ residual), 1 SiLU-and-mul, 2 rotary in place; releases the GIL.
+#[pyfunction]
+#[pyo3(signature = (
+    op, rows, dim, x, x_stride, y, y_stride, w, out, out_stride, eps, heads, head_stride,
+    threads, mode, portable
+))]
+#[allow(clippy::too_many_arguments)]
+fn elementwise(
+    py: Python<'_>,
+    op: u8,
+    rows: usize,
+    dim: usize,
+    x: usize,
+    x_stride: usize,
+    y: usize,
+    y_stride: usize,
+    w: usize,
+    out: usize,
+    out_stride: usize,
+    eps: f32,
+    heads: usize,
+    head_stride: usize,
+    threads: usize,
+    mode: u8,
+    portable: bool,
+) -> PyResult<()> {
+    let op = match op {
+        0 => crate::ops::Op::RmsNorm,
+        1 => crate::ops::Op::SiluMul,
+        2 => crate::ops::Op::Rotary,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "unknown element-wise op {op}"
+            )))
+        }
+    };
+    if dim == 0 || dim % 16 != 0 || (op == crate::ops::Op::Rotary && dim % 32 != 0) {
+        return Err(PyValueError::new_err(format!(
+            "width {dim} is not a multiple of 16 (rotary: 32)"
+        )));
+    }
+    let mode = mode_of(mode)?;
+    let c = crate::ops::Rows {
+        op,
+        rows,
+        dim,
+        x: x as *mut u16,
+        x_stride,
+        y: y as *mut u16,
+        y_stride,
+        w: w as *const u16,
+        out: out as *mut u16,
+        out_stride,
+        eps,
+        heads,
+        head_stride,
+    };
+    py.detach(|| unsafe { crate::run_ops(&c, threads, mode, portable) })
+        .map_err(|_| PyRuntimeError::new_err("the native element-wise op panicked"))
+}
+
 /// Record libgomp's `GOMP_parallel` address (0: none) for thread mode 1.
 #[pyfunction]
 fn set_gomp_parallel(addr: usize) {
@@ -206,6 +272,7 @@ fn features() -> (bool, bool, bool, bool) {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(store_kv, m)?)?;
+    m.add_function(wrap_pyfunction!(elementwise, m)?)?;
     m.add_function(wrap_pyfunction!(set_gomp_parallel, m)?)?;
     m.add_function(wrap_pyfunction!(features, m)?)?;
     Ok(())

@@ -17,6 +17,12 @@ pub trait Simd: Copy {
     unsafe fn store(self, p: *mut f32);
     unsafe fn add(self, o: Self) -> Self;
     unsafe fn mul(self, o: Self) -> Self;
+    unsafe fn sub(self, o: Self) -> Self;
+    unsafe fn div(self, o: Self) -> Self;
+    /// Each lane rounded to the nearest bf16 (ties to even; NaN stays NaN), kept as fp32.
+    unsafe fn round_bf16(self) -> Self;
+    /// The 16 lanes stored as bf16 (rounded as `round_bf16`).
+    unsafe fn store_bf16(self, p: *mut u16);
     /// `self * b + c`
     unsafe fn fma(self, b: Self, c: Self) -> Self;
     unsafe fn hmax(self) -> f32;
@@ -238,6 +244,24 @@ impl Simd for Portable {
         self.zip(o, |a, b| a * b)
     }
     #[inline(always)]
+    unsafe fn sub(self, o: Self) -> Self {
+        self.zip(o, |a, b| a - b)
+    }
+    #[inline(always)]
+    unsafe fn div(self, o: Self) -> Self {
+        self.zip(o, |a, b| a / b)
+    }
+    #[inline(always)]
+    unsafe fn round_bf16(self) -> Self {
+        self.map(|x| bf16_to_f32(f32_to_bf16(x)))
+    }
+    #[inline(always)]
+    unsafe fn store_bf16(self, p: *mut u16) {
+        for (i, x) in self.0.iter().enumerate() {
+            p.add(i).write_unaligned(f32_to_bf16(*x));
+        }
+    }
+    #[inline(always)]
     unsafe fn fma(self, b: Self, c: Self) -> Self {
         let mut o = self.0;
         for i in 0..W {
@@ -313,6 +337,18 @@ mod avx {
     /// widening).
     #[derive(Clone, Copy)]
     pub struct Avx512<const BF: bool>(pub __m512);
+
+    /// The bf16 nearest each lane (ties to even; NaN made quiet, as `f32_to_bf16`) in the high
+    /// 16 bits of each dword, the low 16 bits zero.
+    #[inline(always)]
+    unsafe fn bf16_bits_high(x: __m512) -> __m512i {
+        let b = _mm512_castps_si512(x);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+        let r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+        let r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(b, _mm512_set1_epi32(0x40_0000)));
+        _mm512_and_si512(r, _mm512_set1_epi32(-65536))
+    }
 
     #[inline(always)]
     unsafe fn shuf<const IMM: i32>(a: __m512, b: __m512) -> __m512 {
@@ -481,6 +517,23 @@ mod avx {
         #[inline(always)]
         unsafe fn mul(self, o: Self) -> Self {
             Avx512(_mm512_mul_ps(self.0, o.0))
+        }
+        #[inline(always)]
+        unsafe fn sub(self, o: Self) -> Self {
+            Avx512(_mm512_sub_ps(self.0, o.0))
+        }
+        #[inline(always)]
+        unsafe fn div(self, o: Self) -> Self {
+            Avx512(_mm512_div_ps(self.0, o.0))
+        }
+        #[inline(always)]
+        unsafe fn round_bf16(self) -> Self {
+            Avx512(_mm512_castsi512_ps(bf16_bits_high(self.0)))
+        }
+        #[inline(always)]
+        unsafe fn store_bf16(self, p: *mut u16) {
+            let b = _mm512_srli_epi32::<16>(bf16_bits_high(self.0));
+            _mm256_storeu_si256(p as *mut __m256i, _mm512_cvtepi32_epi16(b))
         }
         #[inline(always)]
         unsafe fn fma(self, b: Self, c: Self) -> Self {

@@ -11,13 +11,17 @@ Two weight conventions, both computed in float32 as the checkpoints' own code do
   load time (``fold_offset``).
 
 ``F.rms_norm`` is one fused kernel on the CPU; in float32 it gives the bits of transformers'
-unfused ``x * rsqrt(mean(x^2) + eps) * w`` (checked in tests/test_native_models.py).
+unfused ``x * rsqrt(mean(x^2) + eps) * w`` (checked in tests/test_native_models.py). The
+Llama/Qwen form is ``kvcore_kernels.ops_cpu.rms_norm``: in bf16 on a CPU (eager) one native
+pass per row that also writes the residual sum, in place of the add, the casts and the product
+(the caller's ``x`` and ``residual`` are overwritten: a layer never reads them again).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from kvcore_kernels import ops_cpu
 from torch import nn
 
 
@@ -39,13 +43,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not self.offset:  # Llama/Qwen: the kernels' formulation (native in bf16 on a CPU)
+            out, res = ops_cpu.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, res)
         if residual is not None:
             x = x + residual
             residual = x
-        if self.offset:  # Gemma: (x / rms(x)) * (1 + w) in fp32, then cast
-            out = F.rms_norm(x.float(), (self.dim,), self.w32, self.eps).to(x.dtype)
-        elif x.dtype == torch.float32:
-            out = F.rms_norm(x, (self.dim,), self.weight, self.eps)
-        else:  # Llama in half precision: normalise in fp32, cast, then scale (its rounding)
-            out = self.weight * F.rms_norm(x.float(), (self.dim,), None, self.eps).to(x.dtype)
+        # Gemma: (x / rms(x)) * (1 + w) in fp32, then cast
+        out = F.rms_norm(x.float(), (self.dim,), self.w32, self.eps).to(x.dtype)
         return out if residual is None else (out, residual)

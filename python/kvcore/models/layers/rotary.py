@@ -18,6 +18,7 @@ one its reference code computes; position-dependent ones (``dynamic``, ``longrop
 from __future__ import annotations
 
 import torch
+from kvcore_kernels import ops_cpu
 from torch import nn
 
 
@@ -38,11 +39,10 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, H, D] (any view with unit stride on D) by ``cos, sin`` [T, D/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    """Rotate ``x`` [T, H, D] (any view with unit stride on D) by ``cos, sin`` [T, D/2]; in bf16
+    on a CPU (eager) in place by one native pass (the twin's bits), so callers use the result
+    and never ``x`` again."""
+    return ops_cpu.rotary_(x, cos, sin)
 
 
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # no per-length update
