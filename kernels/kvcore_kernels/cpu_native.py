@@ -264,3 +264,16 @@ def store(
     except ValueError as err:
         raise KernelConfigError(str(err)) from None
     return True
+
+
+def elementwise(
+    op: int, rows: int, dim: int, x: int, x_stride: int, y: int, y_stride: int, w: int,
+    out: int, out_stride: int, eps: float = 0.0, heads: int = 0, head_stride: int = 0,
+) -> None:  # fmt: skip
+    """One row-wise bf16 op of ``ops_cpu`` over addresses and element strides (the caller
+    checked the tensors) on the kernel's threads."""
+    _bind_openmp()
+    _native.elementwise(
+        op, rows, dim, x, x_stride, y, y_stride, w, out, out_stride, float(eps), heads,
+        head_stride, torch.get_num_threads(), MODES[OPTIONS.mode], OPTIONS.portable,
+    )  # fmt: skip

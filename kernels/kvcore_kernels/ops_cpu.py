@@ -76,15 +76,6 @@ def _pick(backend: str, ok: bool, what: str) -> bool:
     return ok
 
 
-def _call(op: int, rows: int, dim: int, x, xs, y, ys, w, out, outs, eps=0.0, heads=0, hs=0):
-    cpu_native._bind_openmp()
-    o = cpu_native.OPTIONS
-    cpu_native._native.elementwise(
-        op, rows, dim, x, xs, y, ys, w, out, outs, float(eps), heads, hs,
-        torch.get_num_threads(), cpu_native.MODES[o.mode], o.portable,
-    )  # fmt: skip
-
-
 def rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -111,7 +102,7 @@ def rms_norm(
     else:
         out = x
         res_ptr, res_stride = residual.data_ptr(), residual.stride(0)
-    _call(
+    cpu_native.elementwise(
         OP_RMS_NORM, x.shape[0], h, x.data_ptr(), x.stride(0), res_ptr, res_stride,
         weight.data_ptr(), out.data_ptr(), out.stride(0), eps,
     )  # fmt: skip
@@ -131,7 +122,9 @@ def silu_and_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tenso
         return silu_and_mul_torch(gate_up)
     t = gate_up.shape[0]
     out = torch.empty((t, i), dtype=gate_up.dtype)
-    _call(OP_SILU_MUL, t, i, gate_up.data_ptr(), gate_up.stride(0), 0, 0, 0, out.data_ptr(), i)
+    cpu_native.elementwise(
+        OP_SILU_MUL, t, i, gate_up.data_ptr(), gate_up.stride(0), 0, 0, 0, out.data_ptr(), i
+    )
     return out
 
 
@@ -150,7 +143,7 @@ def rotary_(
     )
     if not _pick(backend, ok, "rotary"):
         return rotary_torch(x, cos, sin)
-    _call(
+    cpu_native.elementwise(
         OP_ROTARY, x.shape[0], d, x.data_ptr(), x.stride(0), cos.data_ptr(), d // 2,
         sin.data_ptr(), 0, 0, 0.0, x.shape[1], x.stride(1),
     )  # fmt: skip
