@@ -1,6 +1,6 @@
 """The native bf16 element-wise ops (``kvcore_kernels.ops_cpu``) against their torch twins:
 rotary bit for bit, RMSNorm's residual sum bit for bit and its output and SiLU-and-mul within one
-bf16 step (``exp`` and the fp32 sum order may differ), on AVX-512 and the portable path, for
+bf16 step of their intermediate (``exp`` and the fp32 sum order may differ), on AVX-512 and the portable path, for
 hypothesis-drawn shapes, strided rows and odd sizes; plus what the dispatcher refuses."""
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ def _bf16(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor
 
 
 def _close_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal, or one bf16 step apart (relative 2^-7) on at most 1% of the elements (2 in a
-    small tensor)."""
+    """Equal, or apart by what one bf16 step of the intermediate (normalised value, SiLU) makes
+    after the final product (relative 2^-6), on at most 1% of the elements (2 in a small
+    tensor)."""
     assert got.shape == want.shape
     diff = (got.float() - want.float()).abs()
-    tol = want.float().abs() * 2**-7 + 1e-30
+    tol = want.float().abs() * 2**-6 + 1e-30
     assert bool((diff <= tol).all()), f"max diff {diff.max().item()}"
     assert int((got != want).sum()) <= max(2, want.numel() // 100)
 
