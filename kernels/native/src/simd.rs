@@ -363,6 +363,63 @@ mod avx {
         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)))
     }
 
+    /// `pv_pairs` (`DIRECT` false: key pairs from the re-laid tile `vp`) and `pv_pairs_direct`
+    /// (true: each pair of bf16 V rows `v[2 jp]`, `v[2 jp + 1]` interleaved in registers, two word
+    /// permutes per 32 columns: word 2c of `lo` = a[c], word 2c + 1 = b[c]; `hi` for c + 16).
+    #[inline(always)]
+    unsafe fn pv_pairs_impl<const NR: usize, const DIRECT: bool>(
+        acc: *mut f32,
+        pb: *const u32,
+        d: usize,
+        vp: *const u32,
+        v: &[*const u8; W],
+        njp: usize,
+    ) {
+        let idx_lo = _mm512_set_epi16(
+            47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36,
+            4, 35, 3, 34, 2, 33, 1, 32, 0,
+        );
+        let idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+        let mut cc = 0;
+        while cc < d {
+            // 32 columns per pass (d is a multiple of 32 on this path)
+            let mut a0 = [_mm512_setzero_ps(); NR];
+            let mut a1 = [_mm512_setzero_ps(); NR];
+            for x in 0..NR {
+                a0[x] = _mm512_loadu_ps(acc.add(x * d + cc));
+                a1[x] = _mm512_loadu_ps(acc.add(x * d + cc + W));
+            }
+            for jp in 0..njp {
+                let (lo, hi) = if DIRECT {
+                    let va = _mm512_loadu_si512((v[2 * jp] as *const u16).add(cc) as *const _);
+                    let vb = _mm512_loadu_si512((v[2 * jp + 1] as *const u16).add(cc) as *const _);
+                    (
+                        _mm512_permutex2var_epi16(va, idx_lo, vb),
+                        _mm512_permutex2var_epi16(va, idx_hi, vb),
+                    )
+                } else {
+                    (
+                        _mm512_loadu_si512(vp.add(jp * d + cc) as *const _),
+                        _mm512_loadu_si512(vp.add(jp * d + cc + W) as *const _),
+                    )
+                };
+                let lo = std::mem::transmute::<__m512i, __m512bh>(lo);
+                let hi = std::mem::transmute::<__m512i, __m512bh>(hi);
+                for x in 0..NR {
+                    let pj: __m512bh =
+                        std::mem::transmute(_mm512_set1_epi32(*pb.add(x * (W / 2) + jp) as i32));
+                    a0[x] = _mm512_dpbf16_ps(a0[x], pj, lo);
+                    a1[x] = _mm512_dpbf16_ps(a1[x], pj, hi);
+                }
+            }
+            for x in 0..NR {
+                _mm512_storeu_ps(acc.add(x * d + cc), a0[x]);
+                _mm512_storeu_ps(acc.add(x * d + cc + W), a1[x]);
+            }
+            cc += 2 * W;
+        }
+    }
+
     impl<const BF: bool> Simd for Avx512<BF> {
         const DPBF16: bool = BF;
         #[inline(always)]
@@ -389,35 +446,7 @@ mod avx {
             vp: *const u32,
             njp: usize,
         ) {
-            let mut cc = 0;
-            while cc < d {
-                // 32 columns per pass (d is a multiple of 32 on this path)
-                let mut a0 = [_mm512_setzero_ps(); NR];
-                let mut a1 = [_mm512_setzero_ps(); NR];
-                for x in 0..NR {
-                    a0[x] = _mm512_loadu_ps(acc.add(x * d + cc));
-                    a1[x] = _mm512_loadu_ps(acc.add(x * d + cc + W));
-                }
-                for jp in 0..njp {
-                    let v0: __m512bh =
-                        std::mem::transmute(_mm512_loadu_si512(vp.add(jp * d + cc) as *const _));
-                    let v1: __m512bh = std::mem::transmute(_mm512_loadu_si512(
-                        vp.add(jp * d + cc + W) as *const _,
-                    ));
-                    for x in 0..NR {
-                        let pj: __m512bh = std::mem::transmute(_mm512_set1_epi32(
-                            *pb.add(x * (W / 2) + jp) as i32,
-                        ));
-                        a0[x] = _mm512_dpbf16_ps(a0[x], pj, v0);
-                        a1[x] = _mm512_dpbf16_ps(a1[x], pj, v1);
-                    }
-                }
-                for x in 0..NR {
-                    _mm512_storeu_ps(acc.add(x * d + cc), a0[x]);
-                    _mm512_storeu_ps(acc.add(x * d + cc + W), a1[x]);
-                }
-                cc += 2 * W;
-            }
+            pv_pairs_impl::<NR, false>(acc, pb, d, vp, &[std::ptr::null(); W], njp)
         }
         #[inline(always)]
         unsafe fn pv_pairs_direct<const NR: usize>(
@@ -427,41 +456,7 @@ mod avx {
             v: &[*const u8; W],
             njp: usize,
         ) {
-            // word 2c of `lo` = a[c], word 2c + 1 = b[c] (c < 16); `hi` the same for c + 16
-            let idx_lo = _mm512_set_epi16(
-                47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
-                36, 4, 35, 3, 34, 2, 33, 1, 32, 0,
-            );
-            let idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
-            let mut cc = 0;
-            while cc < d {
-                let mut a0 = [_mm512_setzero_ps(); NR];
-                let mut a1 = [_mm512_setzero_ps(); NR];
-                for x in 0..NR {
-                    a0[x] = _mm512_loadu_ps(acc.add(x * d + cc));
-                    a1[x] = _mm512_loadu_ps(acc.add(x * d + cc + W));
-                }
-                for jp in 0..njp {
-                    let va = _mm512_loadu_si512((v[2 * jp] as *const u16).add(cc) as *const _);
-                    let vb = _mm512_loadu_si512((v[2 * jp + 1] as *const u16).add(cc) as *const _);
-                    let lo: __m512bh =
-                        std::mem::transmute(_mm512_permutex2var_epi16(va, idx_lo, vb));
-                    let hi: __m512bh =
-                        std::mem::transmute(_mm512_permutex2var_epi16(va, idx_hi, vb));
-                    for x in 0..NR {
-                        let pj: __m512bh = std::mem::transmute(_mm512_set1_epi32(
-                            *pb.add(x * (W / 2) + jp) as i32,
-                        ));
-                        a0[x] = _mm512_dpbf16_ps(a0[x], pj, lo);
-                        a1[x] = _mm512_dpbf16_ps(a1[x], pj, hi);
-                    }
-                }
-                for x in 0..NR {
-                    _mm512_storeu_ps(acc.add(x * d + cc), a0[x]);
-                    _mm512_storeu_ps(acc.add(x * d + cc + W), a1[x]);
-                }
-                cc += 2 * W;
-            }
+            pv_pairs_impl::<NR, true>(acc, pb, d, std::ptr::null(), v, njp)
         }
         #[inline(always)]
         unsafe fn qk_pairs<const NR: usize>(
