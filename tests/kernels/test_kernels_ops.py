@@ -1,7 +1,8 @@
 """The native bf16 element-wise ops (``kvcore_kernels.ops_cpu``) against their torch twins:
-rotary bit for bit, RMSNorm's residual sum bit for bit and its output and SiLU-and-mul within one
-bf16 step of their intermediate (``exp`` and the fp32 sum order may differ), on AVX-512 and the portable path, for
-hypothesis-drawn shapes, strided rows and odd sizes; plus what the dispatcher refuses."""
+rotary bit for bit, RMSNorm's residual sum bit for bit, and its output and SiLU-and-mul within
+one bf16 step of their intermediate (``exp`` and the fp32 sum order may differ), on AVX-512 and
+the portable path, for hypothesis-drawn shapes, strided rows and odd sizes; plus what the
+dispatcher refuses."""
 
 from __future__ import annotations
 
