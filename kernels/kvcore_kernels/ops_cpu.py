@@ -63,13 +63,20 @@ def _native_ok(*tensors: torch.Tensor) -> bool:
     )
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _pick(backend: str, ok: bool, what: str) -> bool:
     if backend == "torch":
         return False
     if backend == "cpu" and not ok:
         raise KernelConfigError(
-            f"the native {what} needs the extension and bf16 CPU tensors with unit-stride rows "
-            "of a width that is a multiple of 16 (rotary: head dim a multiple of 32)"
+            f"the native {what} needs the extension and bf16 CPU tensors with unit-stride, "
+            "non-overlapping rows of a width that is a multiple of 16 (rotary: head dim a "
+            "multiple of 32) and, for RMSNorm, a residual in its own storage"
         )
     if backend not in ("auto", "cpu"):
         raise KernelConfigError(f"unknown backend {backend!r}: auto, torch or cpu")
@@ -92,7 +99,16 @@ def rms_norm(
         and h % 16 == 0
         and weight.shape == (h,)
         and weight.is_contiguous()
-        and (residual is None or (residual.shape == x.shape and residual.stride(1) == 1))
+        and x.stride(0) >= h  # rows written in place must not overlap
+        and (
+            residual is None
+            or (
+                residual.shape == x.shape
+                and residual.stride(1) == 1
+                and residual.stride(0) >= h
+                and not _same_storage(x, residual)
+            )
+        )
     )
     if not _pick(backend, ok, "RMSNorm"):
         return rms_norm_torch(x, residual, weight, eps)
@@ -137,6 +153,8 @@ def rotary_(
         and x.dim() == 3
         and x.stride(2) == 1
         and d % 32 == 0
+        and x.stride(1) >= d  # heads and rows rotated in place must not overlap
+        and x.stride(0) >= (x.shape[1] - 1) * x.stride(1) + d
         and cos.shape == sin.shape == (x.shape[0], d // 2)
         and cos.is_contiguous()
         and sin.is_contiguous()

@@ -139,6 +139,27 @@ def test_cpu_backend_refuses_what_it_cannot_do_and_changes_nothing():
         cpu_native.elementwise(ops_cpu.OP_SILU_MUL, 1, 8, 0, 0, 0, 0, 0, 0, 0)
 
 
+def test_aliased_or_overlapping_rows_take_the_twin():
+    """In-place passes over rows that share memory would race: those calls take the twin (and
+    ``backend="cpu"`` refuses them), so the result is the twin's."""
+    gen = torch.Generator().manual_seed(3)
+    w = _bf16(gen, 64)
+    x = _bf16(gen, 4, 64)
+    want = ops_cpu.rms_norm_torch(x.clone(), x.clone(), w, 1e-6)
+    got = ops_cpu.rms_norm(x, x, w, 1e-6)  # the residual is x itself
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    row = _bf16(gen, 1, 64).expand(4, 64)  # four rows, one memory row
+    res = _bf16(gen, 4, 64)
+    want = ops_cpu.rms_norm_torch(row, res.clone(), w, 1e-6)
+    got = ops_cpu.rms_norm(row, res, w, 1e-6)
+    assert torch.equal(got[0], want[0])
+    with pytest.raises(KernelConfigError, match="own storage"):
+        ops_cpu.rms_norm(row, res, w, 1e-6, backend="cpu")
+    heads = _bf16(gen, 3, 1, 64).expand(3, 4, 64)  # four heads, one memory head
+    cs = _bf16(gen, 3, 32)
+    assert torch.equal(ops_cpu.rotary_(heads, cs, cs), ops_cpu.rotary_torch(heads, cs, cs))
+
+
 def test_compiled_forward_takes_the_twin():
     """Under torch.compile the dispatcher returns the twin's traceable ops (no opaque call)."""
     gen = torch.Generator().manual_seed(2)
