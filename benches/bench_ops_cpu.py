@@ -11,22 +11,10 @@ Prints ``op_<name>_<rows>: twin X us native Y us speedup Zx`` per run, then the 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from bench_attention import interleaved
 from kvcore_kernels import ops_cpu
-
-
-def _median_us(fns, rounds: int) -> list[float]:
-    times = [[] for _ in fns]
-    for f in fns:
-        f()
-    for _ in range(rounds):
-        for i, f in enumerate(fns):
-            t0 = time.perf_counter()
-            f()
-            times[i].append(time.perf_counter() - t0)
-    return [sorted(t)[len(t) // 2] * 1e6 for t in times]
 
 
 def cases(rows: int, seed: int):
@@ -68,7 +56,9 @@ def main() -> None:
     for rep in range(args.repeats):
         for rows in (48, 2048):
             for name, (twin, native) in cases(rows, rep).items():
-                t, n = _median_us((twin, native), args.rounds if rows < 1000 else args.rounds // 4)
+                rounds = args.rounds if rows < 1000 else args.rounds // 4
+                ms = interleaved({"twin": twin, "native": native}, rounds)
+                t, n = ms["twin"][0] * 1e3, ms["native"][0] * 1e3  # medians, us
                 key = f"op_{name}_{rows}"
                 worst[key] = min(worst.get(key, float("inf")), t / n)
                 print(f"{key}: twin {t:.0f} us native {n:.0f} us speedup {t / n:.2f}x")

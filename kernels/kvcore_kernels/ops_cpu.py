@@ -63,10 +63,14 @@ def _native_ok(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte spans of two row-major 2-D tensors (unit-stride rows) intersect."""
     if a.numel() == 0 or b.numel() == 0:
         return False
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + ((a.shape[0] - 1) * a.stride(0) + a.shape[1]) * a.element_size()
+    b1 = b0 + ((b.shape[0] - 1) * b.stride(0) + b.shape[1]) * b.element_size()
+    return a0 < b1 and b0 < a1
 
 
 def _pick(backend: str, ok: bool, what: str) -> bool:
@@ -76,7 +80,7 @@ def _pick(backend: str, ok: bool, what: str) -> bool:
         raise KernelConfigError(
             f"the native {what} needs the extension and bf16 CPU tensors with unit-stride, "
             "non-overlapping rows of a width that is a multiple of 16 (rotary: head dim a "
-            "multiple of 32) and, for RMSNorm, a residual in its own storage"
+            "multiple of 32) and, for RMSNorm, a residual apart from x"
         )
     if backend not in ("auto", "cpu"):
         raise KernelConfigError(f"unknown backend {backend!r}: auto, torch or cpu")
@@ -106,7 +110,7 @@ def rms_norm(
                 residual.shape == x.shape
                 and residual.stride(1) == 1
                 and residual.stride(0) >= h
-                and not _same_storage(x, residual)
+                and not _overlap(x, residual)
             )
         )
     )
