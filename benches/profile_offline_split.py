@@ -16,7 +16,6 @@ from typing import Any
 
 import kvcore_kernels
 import torch
-import torch.nn.functional as F
 
 TIMES: collections.Counter = collections.Counter()
 
@@ -65,7 +64,7 @@ def main() -> None:
     from kvcore.params import SamplingParams
 
     native.kvcore_kernels = _TimedKernels()  # type: ignore[assignment]
-    linear.F = type("F", (), {"linear": staticmethod(timed("GEMMs (F.linear)", F.linear))})
+    linear._linear = timed("GEMMs (linear layers)", linear._linear)  # packed or F.linear
     llm = LLM(
         args.model_dir, dtype="bfloat16", num_blocks=4096, max_num_batched_tokens=2048,
         enforce_eager=True, model_impl="kvcore",

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError
 from kvcore.entrypoints.llm import LLM
+from kvcore.models.layers.linear import Linear, MergedLinear, can_prepack, prepack_linears
 from kvcore.models.loader import auto_dtype, tiny_llama
 from kvcore.models.native import native_model
 from kvcore.models.tiny import tiny_window_model
@@ -94,6 +95,41 @@ def test_weights_are_shared_not_copied():
     assert q_rows.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     assert native.model.embed_tokens.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     assert native.lm_head.weight.data_ptr() == hf.lm_head.weight.data_ptr()
+
+
+@pytest.mark.skipif(not can_prepack(), reason="this torch has no oneDNN packed linear")
+def test_prepacked_bf16_linears_give_the_same_bits(monkeypatch):
+    hf = _hf("tiny-gemma3", dtype=torch.bfloat16)
+    native, _ = native_model(hf)
+    ids = torch.randint(3, 256, (13,), generator=torch.Generator().manual_seed(2))
+    keep = torch.arange(13)
+    with torch.no_grad():
+        plain = native(ids, torch.arange(13), keep, DenseStep())
+        n = prepack_linears(native)
+        mods = [m for m in native.modules() if isinstance(m, (Linear, MergedLinear))]
+        assert n == sum(m.weight.numel() * 2 for m in mods) and all(
+            m.packed is not None for m in mods
+        )
+        packed = native(ids, torch.arange(13), keep, DenseStep())
+        assert torch.equal(packed, plain)
+        assert native(ids[:0], torch.arange(0), keep[:0], DenseStep()).shape == (0, 256)
+    # fp32 weights stay on F.linear (the exactness tests' bits); the switch turns packing off
+    assert prepack_linears(native_model(_hf("tiny-llama"))[0]) == 0
+    monkeypatch.setenv("KVCORE_PREPACK", "0")
+    assert not can_prepack() and prepack_linears(native) == 0
+    assert all(m.packed is not None for m in mods)  # it packs nothing new, undoes nothing
+
+
+@pytest.mark.skipif(not can_prepack(), reason="this torch has no oneDNN packed linear")
+def test_engine_prepacks_bf16_on_the_cpu_and_keeps_its_tokens(monkeypatch):
+    model = tiny_llama(seed=3, dtype=torch.bfloat16, **SMALL)
+    prompts = [np.random.default_rng(i).integers(3, 128, 9 + 5 * i).tolist() for i in range(3)]
+    packed, got = _run(model, prompts)
+    assert packed.engine.runner.prepacked_bytes > 0
+    monkeypatch.setenv("KVCORE_PREPACK", "0")
+    plain, want = _run(model, prompts)
+    assert plain.engine.runner.prepacked_bytes == 0
+    assert got == want
 
 
 def test_rms_norm_kernel_has_transformers_bits_in_fp32():

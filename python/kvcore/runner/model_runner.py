@@ -46,6 +46,7 @@ from kvcore_kernels.quant import QuantKVCache, allocate_kv_caches, copy_blocks
 from kvcore_kernels.quant import get_format as get_kv_format
 
 from kvcore.errors import InvalidArgumentError
+from kvcore.models.layers.linear import prepack_linears
 from kvcore.models.mla import check_mla_config, is_mla_config
 from kvcore.models.native import native_model
 from kvcore.models.sizes import kv_geometry
@@ -177,6 +178,16 @@ class ModelRunner:
         self.use_op = self.compile or (cuda and fast)
         target = self.native if self.native is not None else model
         self.compiled = compile_model(target, compile_backend) if self.compile else None
+        # The eager CPU forward of kvcore's model code: bf16 weights re-laid once for oneDNN
+        # (kvcore.models.layers.linear); a compiled forward leaves the packing to inductor.
+        self.prepacked_bytes = 0
+        if self.native is not None and self.device.type == "cpu" and not self.compile:
+            self.prepacked_bytes = prepack_linears(self.native)
+            if self.prepacked_bytes:
+                logger.info(
+                    "kvcore: bf16 linear weights prepacked for oneDNN (%.0f MiB)",
+                    self.prepacked_bytes / 2**20,
+                )
         self.compile_stats = CompileStats()
         self.max_model_len = max_model_len or num_blocks * block_size
         self.max_num_seqs = max_num_seqs
