@@ -197,7 +197,7 @@ def main() -> None:
     ap.add_argument(
         "--peer-threads", type=int, nargs="+", default=None, help="vLLM's (default: same)"
     )
-    ap.add_argument("--kvcore-modes", nargs="+", default=["compile"])
+    ap.add_argument("--kvcore-modes", nargs="+", default=["eager"])  # the CPU default
     ap.add_argument(
         "--kvcore-impls", nargs="+", default=["auto"], help="model code: auto kvcore transformers"
     )
