@@ -113,6 +113,14 @@ def test_prepacked_bf16_linears_give_the_same_bits(monkeypatch):
         packed = native(ids, torch.arange(13), keep, DenseStep())
         assert torch.equal(packed, plain)
         assert native(ids[:0], torch.arange(0), keep[:0], DenseStep()).shape == (0, 256)
+
+        def packed_calls(rows):
+            with torch.profiler.profile() as prof:
+                native(ids[:rows], torch.arange(rows), keep[:rows], DenseStep())
+            return sum(e.count for e in prof.key_averages() if "_linear_pointwise" in e.key)
+
+        # two rows or more take the packed weight; one row keeps F.linear (another oneDNN path)
+        assert packed_calls(2) == len(mods) and packed_calls(1) == 0
     # fp32 weights stay on F.linear (the exactness tests' bits); the switch turns packing off
     assert prepack_linears(native_model(_hf("tiny-llama"))[0]) == 0
     monkeypatch.setenv("KVCORE_PREPACK", "0")

@@ -10,11 +10,14 @@ into their row ranges by ``load_shard``::
 **Prepacked bf16 weights on the CPU** (``prepack_linears``, called by the runner for the eager
 CPU forward): ``F.linear`` on bf16 hands the weight to oneDNN, which re-lays it into its blocked
 format on every call; for the few rows of a decode step that copy costs more than the product
-(2-thread Zen 4, K 576 x N 3072: 146 us at 4 rows against 57 us prepacked, 441 against 289 us
-at 64). ``prepack_linears`` re-lays each weight once (``torch.ops.mkldnn._reorder_linear_weight``,
-as inductor's CPU freezing and vLLM's CPU linear do) and ``forward`` calls oneDNN's linear on the
-packed copy: bit-identical outputs (the same kernel, the same blocking), one extra copy of the
-weights in memory (the plain weight stays: transformers' modules share it). fp32 and fp16
+(2-thread Zen 4, SmolLM2's gate/up, K 576 x N 3072: 84 us at 4 rows against 43 us prepacked, 256
+against 213 us at 48). ``prepack_linears`` re-lays each weight once
+(``torch.ops.mkldnn._reorder_linear_weight``, as inductor's CPU freezing and vLLM's CPU linear
+do) and ``forward`` calls oneDNN's linear on the packed copy when there are two rows or more:
+the same outputs bit for bit (the same kernel). A single row keeps ``F.linear``: oneDNN takes
+another path there, no faster packed, and 8-10 of the LM head's 49,152 logits would round
+differently (``benches/bench_linear_cpu.py`` times and counts both). The cost: one more copy of
+the weights in memory (the plain weight stays: transformers' modules share it). fp32 and fp16
 weights, CUDA, and a compiled forward (inductor packs its own) keep ``F.linear``.
 """
 
@@ -28,8 +31,9 @@ from torch import nn
 
 
 def _linear(x: torch.Tensor, mod: MergedLinear | Linear) -> torch.Tensor:
-    # is_compiling first: a traced forward never looks at the packed (mkldnn) tensor.
-    if not torch.compiler.is_compiling() and mod.packed is not None:
+    # is_compiling first: a traced forward never looks at the packed (mkldnn) tensor. One row
+    # keeps F.linear: oneDNN takes another path for it, no faster packed, and not the same bits.
+    if not torch.compiler.is_compiling() and mod.packed is not None and x.numel() > x.shape[-1]:
         return torch.ops.mkldnn._linear_pointwise(x, mod.packed, mod.bias, "none", [], "")
     return F.linear(x, mod.weight, mod.bias)
 
