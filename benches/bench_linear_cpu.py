@@ -12,11 +12,10 @@ different path for the LM head's single row: a few logits rounded differently) a
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from bench_attention import interleaved
 from kvcore.models.layers.linear import can_prepack
 
 # (name, in, out): SmolLM2-135M's fused q/k/v, o, fused gate/up, down and the LM head
@@ -59,14 +58,8 @@ def main() -> None:
             differ = int((a_out != b_out).sum())
             rel_err = (a_out.float() - b_out.float()).abs() / a_out.float().abs().clamp_min(1e-30)
             rel = float(rel_err.max()) if differ else 0.0
-            times: dict[str, list[float]] = {"plain": [], "pre": []}
-            for rep in range(args.reps + 3):
-                for label, f in (("plain", plain), ("pre", pre)):
-                    t = time.perf_counter()
-                    f()
-                    if rep >= 3:
-                        times[label].append(time.perf_counter() - t)
-            a, b = statistics.median(times["plain"]), statistics.median(times["pre"])
+            ms = interleaved({"plain": plain, "pre": pre}, args.reps)
+            a, b = ms["plain"][0] / 1e3, ms["pre"][0] / 1e3  # medians, seconds
             ratios.append(a / b)
             print(
                 f"{name:8s} {k:5d}x{n:<6d} rows {m:5d}: F.linear {a * 1e6:8.1f} us, "
