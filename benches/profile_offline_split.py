@@ -16,6 +16,7 @@ from typing import Any
 
 import kvcore_kernels
 import torch
+from kvcore_kernels import cpu_native
 
 TIMES: collections.Counter = collections.Counter()
 
@@ -64,6 +65,17 @@ def main() -> None:
     from kvcore.params import SamplingParams
 
     native.kvcore_kernels = _TimedKernels()  # type: ignore[assignment]
+    cascade = collections.Counter()
+    build = cpu_native._build
+
+    def counted_build(meta, *args: Any) -> Any:  # how many decode requests read a shared prefix
+        work = build(meta, *args)
+        decode = int((meta.host_query_start_loc[1:] - meta.host_query_start_loc[:-1] == 1).sum())
+        cascade["decode"] += decode
+        cascade["cascade"] += work.cascade_requests
+        return work
+
+    cpu_native._build = counted_build
     linear._linear = timed("GEMMs (linear layers)", linear._linear)  # packed or F.linear
     llm = LLM(
         args.model_dir, dtype="bfloat16", num_blocks=4096, max_num_batched_tokens=2048,
@@ -84,6 +96,10 @@ def main() -> None:
     print(f"  {'the rest':28s} {rest:6.2f} s  {100 * rest / wall:5.1f} %")
     attn = sum(s for n, s in TIMES.items() if n.startswith("attention") or n == "store_kv")
     print(f"attention_share_pct: {100 * attn / wall:.1f}")
+    if cascade["decode"]:
+        pct = 100 * cascade["cascade"] / cascade["decode"]
+        on = cpu_native.OPTIONS.cascade
+        print(f"decode requests in cascade items: {pct:.1f} % (cascade {on})")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ ITEM_ROWS = 48  # query rows (tokens x GQA group) per item: the scratch stays in
 TASKS_PER_THREAD = 4  # split long key ranges until a step has this many tasks per thread
 MIN_SPLIT_KEYS = 512  # ... but never into splits shorter than this
 MAX_SPLITS = 64
+MIN_CASCADE_KEYS = 64  # a shared prefix shorter than this is read per request
 MODES = {"single": 0, "omp": 1, "rayon": 2}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FMT_F32, FMT_BF16, FMT_F16, FMT_INT8, FMT_E4M3, FMT_E5M2 = range(6)
@@ -64,6 +65,7 @@ class Options:
     portable: bool = os.environ.get("KVCORE_NATIVE_PORTABLE", "") not in ("", "0")
     split_keys: int | None = None  # tests: split every item into runs of this many keys
     fuse_heads: bool = os.environ.get("KVCORE_NATIVE_FUSE_HEADS", "") not in ("", "0")
+    cascade: bool = os.environ.get("KVCORE_NATIVE_CASCADE", "1") not in ("", "0")
 
 
 OPTIONS = Options()
@@ -108,12 +110,14 @@ class NativeWork:
     """One step's items and merge groups for one (window, heads, head_dim) configuration."""
 
     work: np.ndarray  # int64 [num_items, 6]: req, tok0, ntok, key_lo, key_hi, partial offset
-    merges: np.ndarray  # int64 [num_merges, 4]: tok0, ntok, num_splits, first partial offset
+    # int64 [num_merges, 5]: tok0, ntok, num_splits, first partial offset, offset step
+    merges: np.ndarray
     partial: torch.Tensor  # float32 scratch for split partials (acc, m, l per row)
     max_rows: int
     qsl: np.ndarray  # int64, contiguous: what the kernel reads
     seq_lens: np.ndarray
     table: np.ndarray
+    cascade_requests: int = 0  # decode requests whose shared prefix a cascade item reads
 
 
 def work_for(
@@ -123,14 +127,45 @@ def work_for(
     group: int,
     head_dim: int,
     threads: int,
+    alibi: bool = False,
 ) -> NativeWork:
     """The items of a step (cached in ``meta.cache``): built once, read by every layer."""
+    cascade = OPTIONS.cascade and not window and not alibi
     key = ("native", window, num_kv_heads, group, head_dim, threads, OPTIONS.split_keys,
-           OPTIONS.fuse_heads)  # fmt: skip
+           OPTIONS.fuse_heads, cascade)  # fmt: skip
     work = meta.cache.get(key)
     if work is None:
-        work = meta.cache[key] = _build(meta, window, num_kv_heads, group, head_dim, threads)
+        work = meta.cache[key] = _build(
+            meta, window, num_kv_heads, group, head_dim, threads, cascade
+        )
     return work
+
+
+def _shared_runs(
+    meta: AttentionMetadata, q_lens: np.ndarray, per_item: int
+) -> list[tuple[int, int, int]]:
+    """Cascade groups: ``(first request, requests, shared keys)`` for runs of 2..``per_item``
+    consecutive decode requests whose block tables start with the same blocks (a cached prefix
+    the radix cache shares). Only whole blocks before each request's own last token count, and
+    never a null (released) entry; a run shares at least ``MIN_CASCADE_KEYS`` keys."""
+    table, lens, bs = meta.host_block_table, meta.host_seq_lens, meta.block_size
+    decode = (q_lens == 1) & (table[:, 0] != 0) if table.shape[1] else q_lens < 0
+    runs, r, n = [], 0, len(q_lens)
+    while r < n:
+        if not decode[r]:
+            r += 1
+            continue
+        end = r + 1
+        while end < n and end - r < per_item and decode[end] and table[end, 0] == table[r, 0]:
+            end += 1
+        if end - r >= 2:
+            full = int(((lens[r:end] - 1) // bs).min())
+            same = (table[r:end, :full] == table[r, :full]).all(axis=0) & (table[r, :full] != 0)
+            blocks = int(np.argmin(same)) if not same.all() else full
+            if blocks * bs >= MIN_CASCADE_KEYS:
+                runs.append((r, end - r, blocks * bs))
+        r = end
+    return runs
 
 
 def _build(
@@ -140,6 +175,7 @@ def _build(
     group: int,
     head_dim: int,
     threads: int,
+    cascade: bool = False,
 ) -> NativeWork:
     qsl, lens = meta.host_query_start_loc, meta.host_seq_lens
     q_lens = np.diff(qsl)
@@ -165,9 +201,24 @@ def _build(
     if OPTIONS.split_keys:
         splits = np.clip(-(-span // OPTIONS.split_keys), 1, MAX_SPLITS)
     rows = ntok * group
-    block = num_kv_heads * rows * (head_dim + 2)  # floats of one split's partial
+    tok_block = num_kv_heads * group * (head_dim + 2)  # floats of one token's partial
     items, merges, offset = [], [], 0
+    # Cascade (FlashInfer's idea): decode requests sharing a cached prefix read its K/V once,
+    # as the query tokens of one item, and merge that partial with their own keys'. Not with
+    # splits (a step with few tasks), windows or ALiBi (the item's rows borrow positions).
+    in_cascade = np.zeros(len(q_lens), dtype=bool)
+    runs = _shared_runs(meta, q_lens, max(1, ITEM_ROWS // group)) if (splits == 1).all() else []
+    for r0, n, shared in runs if cascade else []:
+        in_cascade[r0 : r0 + n] = True
+        items.append((r0, int(qsl[r0]), n, 0, shared, offset))
+        for k in range(n):  # request k's own partial sits n tokens after its prefix partial
+            own = offset + (n + k) * tok_block
+            items.append((r0 + k, int(qsl[r0 + k]), 1, shared, int(lens[r0 + k]), own))
+            merges.append((int(qsl[r0 + k]), 1, 2, offset + k * tok_block, n * tok_block))
+        offset += 2 * n * tok_block
     for i in range(len(req)):
+        if in_cascade[req[i]]:
+            continue
         base = (int(req[i]), int(qsl[req[i]] + start[i]), int(ntok[i]))
         s = int(splits[i])
         if s == 1:
@@ -177,21 +228,23 @@ def _build(
         cut = -(-cut // 16) * 16
         edges = [int(key_lo[i]) + k * cut for k in range(s)] + [int(key_hi[i])]
         edges = [e for e in edges if e < key_hi[i]] + [int(key_hi[i])]
-        merges.append((base[1], base[2], len(edges) - 1, offset))
+        block = int(rows[i]) * num_kv_heads * (head_dim + 2)  # floats of one split's partial
+        merges.append((base[1], base[2], len(edges) - 1, offset, block))
         for lo, hi in zip(edges, edges[1:], strict=False):
             items.append((*base, lo, hi, offset))
-            offset += int(block[i])
+            offset += block
     work = np.array(items, dtype=np.int64).reshape(-1, 6)
     cost = work[:, 2] * (work[:, 4] - work[:, 3])
     work = np.ascontiguousarray(work[np.argsort(-cost, kind="stable")])  # longest first
     return NativeWork(
         work=work,
-        merges=np.array(merges, dtype=np.int64).reshape(-1, 4),
+        merges=np.array(merges, dtype=np.int64).reshape(-1, 5),
         partial=torch.empty(max(offset, 1), dtype=torch.float32),
-        max_rows=int(ntok.max()) * num_kv_heads * group if len(ntok) else 1,
+        max_rows=int(work[:, 2].max()) * num_kv_heads * group if len(work) else 1,
         qsl=np.ascontiguousarray(qsl, dtype=np.int64),
         seq_lens=np.ascontiguousarray(lens, dtype=np.int64),
         table=np.ascontiguousarray(meta.host_block_table, dtype=np.int64),
+        cascade_requests=int(in_cascade.sum()),
     )
 
 
@@ -215,7 +268,10 @@ def run(
     _bind_openmp()
     hq, d = query.shape[1], query.shape[2]
     threads = torch.get_num_threads()
-    work = work_for(meta, sliding_window, num_kv_heads, hq // num_kv_heads, d, threads)
+    work = work_for(
+        meta, sliding_window, num_kv_heads, hq // num_kv_heads, d, threads,
+        alibi=alibi_slopes is not None,
+    )  # fmt: skip
     if len(work.work) == 0:
         return out
     _native.paged_attention(

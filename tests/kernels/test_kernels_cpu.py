@@ -198,3 +198,95 @@ def test_odd_head_dim_falls_back_to_the_twin(gen):
     native = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.3, backend="cpu")
     twin = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.3, backend="torch")
     assert torch.equal(native, twin)
+
+
+@st.composite
+def shared_prefix_batches(draw):
+    """Decode requests whose block tables start with the same blocks (the radix cache's shared
+    prefix), some sharing fewer blocks than the rest, with prefill requests around them."""
+    bs = draw(st.sampled_from(BLOCK_SIZES))
+    prefix = draw(st.integers(1, max(1, 256 // bs)))  # shared blocks
+    n = draw(st.integers(2, 24))
+    own = draw(st.lists(st.integers(1, 70), min_size=n, max_size=n))  # tokens after the prefix
+    # blocks each request shares with the first (a few diverge early)
+    shares = draw(st.lists(st.integers(0, prefix), min_size=n, max_size=n))
+    shares = [prefix if draw(st.booleans()) else s for s in shares]
+    before = draw(st.sampled_from([[], [(0, 9)], [(40, 3)]]))  # a prefill request first
+    after = draw(st.sampled_from([[], [(100, 17)]]))
+    hq, hk = draw(st.sampled_from(HEADS))
+    return {
+        "bs": bs, "prefix": prefix, "shares": shares, "before": before,
+        "reqs": before + [(prefix * bs + o - 1, 1) for o in own] + after,
+        "num_q_heads": hq, "num_kv_heads": hk,
+        "head_dim": draw(st.sampled_from([16, 64, 128])),
+        "dtype": draw(st.sampled_from(list(TOL))),
+        "fmt": draw(st.sampled_from([None, None, "int8", "fp8_e4m3"])),
+        "window": draw(st.sampled_from([None, None, None, 50])),
+        "soft_cap": draw(st.sampled_from([None, None, 20.0])),
+        "alibi": draw(st.sampled_from([False, False, False, True])),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }  # fmt: skip
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(draw=shared_prefix_batches())
+def test_cascade_over_a_shared_prefix_matches_twin(draw, path, monkeypatch):
+    """Decode requests sharing cached blocks read them once (one cascade item per run of up to
+    ITEM_ROWS rows) and merge with their own keys: the twin's answer, every row written."""
+    monkeypatch.setattr(cpu_native.OPTIONS, "fuse_heads", draw["seed"] % 2 == 0)
+    gen = torch.Generator().manual_seed(draw["seed"])
+    dtype, bs, hk = draw["dtype"], draw["bs"], draw["num_kv_heads"]
+    b = make_batch(gen, draw["reqs"], block_size=bs, num_q_heads=draw["num_q_heads"],
+                   num_kv_heads=hk, head_dim=draw["head_dim"], dtype=dtype)  # fmt: skip
+    table = b.block_table.clone()
+    lead = len(draw["before"])
+    for k, s in enumerate(draw["shares"]):
+        table[lead + k, :s] = table[lead, :s]
+    cache = b.kv_cache
+    if draw["fmt"]:
+        cache = allocate_kv_caches(draw["fmt"], 1, cache.shape[0], bs, hk, draw["head_dim"],
+                                   dtype, "cpu")[0]  # fmt: skip
+        own = b.block_table.long()
+        slots = torch.cat(
+            [own[r, torch.arange(len(k)) // bs] * bs + torch.arange(len(k)) % bs
+             for r, k in enumerate(b.keys)]
+        )  # fmt: skip
+        kk.store_kv(torch.cat(b.keys), torch.cat(b.values), cache, slots, backend="torch")
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, table, bs)
+    feats = _features(b, draw)
+    out = torch.full_like(b.query, float("nan"))
+    native = kk.paged_attention(b.query, cache, meta, **feats, backend="cpu", out=out)
+    twin = kk.paged_attention(b.query, cache, meta, **feats, backend="torch")
+    _compare(native, twin, dtype)
+    work = cpu_native.work_for(meta, draw["window"], hk, draw["num_q_heads"] // hk,
+                               draw["head_dim"], torch.get_num_threads(),
+                               alibi=draw["alibi"])  # fmt: skip
+    if draw["window"] or draw["alibi"]:
+        assert work.cascade_requests == 0
+    elif draw["prefix"] * bs >= cpu_native.MIN_CASCADE_KEYS and all(
+        s == draw["prefix"] for s in draw["shares"]
+    ):
+        assert work.cascade_requests == len(draw["shares"])  # every decode request
+    else:
+        assert work.cascade_requests <= len(draw["shares"])
+
+
+def test_cascade_switch_gives_the_same_answer(gen, monkeypatch):
+    """48 decode requests over one 512-token prefix (the offline bench's shared job): the
+    cascade on and off agree with each other and with the twin."""
+    b = make_batch(gen, [(512 + 40 + r, 1) for r in range(48)], block_size=16, num_q_heads=9,
+                   num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)  # fmt: skip
+    table = b.block_table.clone()
+    table[:, :32] = table[0, :32]
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, table, 16)
+    on = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.125, backend="cpu")
+    assert cpu_native.work_for(meta, None, 3, 3, 64, torch.get_num_threads()).cascade_requests == 48
+    monkeypatch.setattr(cpu_native.OPTIONS, "cascade", False)
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, table, 16)
+    off = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.125, backend="cpu")
+    assert cpu_native.work_for(meta, None, 3, 3, 64, torch.get_num_threads()).cascade_requests == 0
+    twin = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.125, backend="torch")
+    _compare(on, twin, torch.bfloat16)
+    _compare(off, twin, torch.bfloat16)

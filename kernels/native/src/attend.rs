@@ -22,7 +22,11 @@
 //! never read and no NaN beyond a sequence's end reaches the accumulator.
 //!
 //! Items whose key range is a split of a longer one write (acc, m, l) to a partial buffer that
-//! `merge` combines (flash-decoding's split-KV). Scratch is per thread, grown, never freed.
+//! `merge` combines (flash-decoding's split-KV). A *cascade* item is one whose query tokens
+//! belong to consecutive decode requests sharing the blocks of its key range (a cached prefix):
+//! the prefix's K/V rows are read once for all of them, and each request's partial is merged
+//! with that of its own keys (FlashInfer's cascade attention). Scratch is per thread, grown,
+//! never freed.
 
 use crate::simd::{self, Simd, W};
 
@@ -107,7 +111,9 @@ pub struct Call {
     pub released: bool,
     /// work items, 6 int64 each: req, tok0, ntok, key_lo, key_hi, partial offset (-1: none)
     pub work: *const i64,
-    /// merge groups, 4 int64 each: tok0, ntok, num_splits, partial offset of the first split
+    /// merge groups, 5 int64 each: tok0, ntok, num_splits, partial offset of the first split,
+    /// floats from one split's partial to the next (a cascade's shared-prefix partial and a
+    /// request's own one are not adjacent)
     pub merges: *const i64,
     pub partial: *mut f32,
 }
@@ -364,7 +370,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let row_bytes = d * elem_bytes(F);
     // Keys PREFETCH_KEYS ahead of the tile are prefetched (K and V rows of every head): a
     // request's blocks are scattered, so the hardware prefetcher cannot guess them.
-    let mut pf_key = key_lo + PREFETCH_KEYS;
+    let mut pf_key = key_lo;
     let (mut pf_blk, mut pf_t) = ((pf_key / bs) as usize, (pf_key % bs) as usize);
     let (mut cur_blk, mut cur_t) = ((key_lo / bs) as usize, (key_lo % bs) as usize);
     let mut base = [0usize; W]; // byte offset of key j's K row of head 0 (real keys)
@@ -653,13 +659,21 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
         k0 += W as i64;
     }
     if part >= 0 {
-        // partial block layout: [head][hrows][d + 2] = (acc, m, l)
-        let base = c.partial.add(part as usize + h0 * hrows * (d + 2));
-        for r in 0..rows {
-            let dst = base.add(r * (d + 2));
-            std::ptr::copy_nonoverlapping(acc.as_ptr().add(r * d), dst, d);
-            *dst.add(d) = m[r];
-            *dst.add(d + 1) = l[r];
+        // Partial layout, token-major: [token][query head][d + 2] = (acc, m, l), so the block
+        // of a multi-request (cascade) item is the single-token blocks of its requests.
+        let tok_block = hk * g * (d + 2);
+        for hh in h0..h1 {
+            for i in 0..ntok {
+                for gg in 0..g {
+                    let r = (hh - h0) * hrows + i * g + gg;
+                    let dst = c
+                        .partial
+                        .add(part as usize + i * tok_block + (hh * g + gg) * (d + 2));
+                    std::ptr::copy_nonoverlapping(acc.as_ptr().add(r * d), dst, d);
+                    *dst.add(d) = m[r];
+                    *dst.add(d + 1) = l[r];
+                }
+            }
         }
         return;
     }
@@ -687,12 +701,13 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
 
 /// Combine the splits of merge group `grp` for KV head `h` into the output.
 pub unsafe fn merge(c: &Call, grp: usize, h: usize) {
-    let w = std::slice::from_raw_parts(c.merges.add(4 * grp), 4);
-    let (tok0, ntok, nsplit, part) = (w[0] as usize, w[1] as usize, w[2] as usize, w[3] as usize);
+    let w = std::slice::from_raw_parts(c.merges.add(5 * grp), 5);
+    let (tok0, ntok, nsplit) = (w[0] as usize, w[1] as usize, w[2] as usize);
+    let (part, stride) = (w[3] as usize, w[4] as usize);
     let d = c.head_dim;
     let g = c.num_q_heads / c.num_kv_heads;
     let rows = ntok * g;
-    let block = c.num_kv_heads * rows * (d + 2);
+    let tok_block = c.num_kv_heads * g * (d + 2);
     let vs = if c.fp8_scale.is_null() {
         1.0
     } else {
@@ -701,7 +716,7 @@ pub unsafe fn merge(c: &Call, grp: usize, h: usize) {
     for r in 0..rows {
         let at = |s: usize| {
             c.partial
-                .add(part + s * block + h * rows * (d + 2) + r * (d + 2))
+                .add(part + s * stride + (r / g) * tok_block + (h * g + r % g) * (d + 2))
         };
         let mut m = f32::NEG_INFINITY;
         for s in 0..nsplit {
