@@ -121,9 +121,19 @@ pub struct Call {
 unsafe impl Sync for Call {}
 unsafe impl Send for Call {}
 
-/// Floats of scratch one thread needs for items of up to `rows` rows (all heads).
-pub fn scratch_len(rows: usize, d: usize) -> usize {
-    2 * rows * d + 2 * rows + 2 * W * d + rows * W + 2 * W + d + rows * d / 2 + W * d + rows * W / 2
+/// Floats of scratch one thread needs for items of up to `rows` rows of `heads` KV heads.
+pub fn scratch_len(rows: usize, d: usize, heads: usize) -> usize {
+    let padded = rows + (W - 1) * heads; // the transposed path's rows, 16 per block
+    2 * rows * d
+        + 2 * rows
+        + 2 * W * d
+        + rows * W
+        + 2 * W
+        + d
+        + rows * d / 2
+        + W * d
+        + rows * W / 2
+        + padded * (3 * d / 2 + 2)
 }
 
 #[inline(always)]
@@ -137,6 +147,9 @@ unsafe fn load_row<S: Simd, const F: u8>(p: *const u8, c: usize) -> S {
         _ => S::load_e5m2(p.add(c)),
     }
 }
+
+/// Rows of one KV head from which an item takes the transposed path (`cols.rs`).
+const COLS_MIN_ROWS: usize = 16;
 
 /// Keys ahead of the current tile whose K and V rows are prefetched.
 const PREFETCH_KEYS: i64 = 64;
@@ -331,6 +344,18 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let kb = kb_f.as_mut_ptr() as *mut u16; // [W, d] a converted K tile (dpbf16, F >= 3)
     let (vp_f, rest) = rest.split_at_mut(W * d / 2);
     let vp = vp_f.as_mut_ptr() as *mut u32; // [W / 2, d] V tile as key pairs (dpbf16 prefill)
+                                            // The transposed path (`cols`): KV heads with many rows, blocks of 16 rows (padded).
+    #[cfg(target_arch = "x86_64")]
+    let cols = dpbf16 && hrows >= COLS_MIN_ROWS && crate::cols::supports(d);
+    #[cfg(not(target_arch = "x86_64"))]
+    let cols = false;
+    let nblk = if cols { hrows.div_ceil(W) } else { 0 };
+    let prow = (h1 - h0) * nblk * W;
+    let (acc_t, rest) = rest.split_at_mut(prow * d); // [head][block][d][16]
+    let (q_t_f, rest) = rest.split_at_mut(prow * d / 2);
+    let q_t = q_t_f.as_mut_ptr() as *mut u32; // [head][block][d / 2][16] query pairs
+    let (m_t, rest) = rest.split_at_mut(prow);
+    let (l_t, rest) = rest.split_at_mut(prow);
     let pb = rest.as_mut_ptr() as *mut u32; // [hrows, W / 2] probabilities as bf16 pairs
     let zero_row = zero.as_ptr() as *const u8; // zero in every format
 
@@ -344,7 +369,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             *c.fp8_scale.add(hh)
         }
     };
-    for hh in h0..h1 {
+    for hh in (h0..h1).filter(|_| !cols) {
         let qscale = c.scale * kscale_of(hh);
         for i in 0..ntok {
             let src = c.q.add((tok0 + i) * c.q_stride_tok * c.dt.size());
@@ -364,6 +389,35 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     acc.fill(0.0);
     m.fill(f32::NEG_INFINITY);
     l.fill(0.0);
+    if cols {
+        acc_t.fill(0.0);
+        m_t.fill(f32::NEG_INFINITY);
+        l_t.fill(0.0);
+        // q_t[dp][lane] = dword dp (a pair of dimensions) of the block's row `lane`: 16 x 16
+        // dword transposes; padded rows are zero.
+        let dp = d / 2;
+        for hh in h0..h1 {
+            for b in 0..nblk {
+                let dst = q_t.add(((hh - h0) * nblk + b) * dp * W);
+                let mut rows = [zero_row; W];
+                for (lane, row) in rows.iter_mut().enumerate().take(hrows - b * W) {
+                    let rl = b * W + lane; // row of this head: token rl / g, query head rl % g
+                    *row = c.q.add(
+                        ((tok0 + rl / g) * c.q_stride_tok + (hh * g + rl % g) * c.q_stride_head)
+                            * c.dt.size(),
+                    );
+                }
+                for c2 in (0..dp).step_by(W) {
+                    let mut tile: [S; W] =
+                        std::array::from_fn(|lane| S::load((rows[lane] as *const f32).add(c2)));
+                    S::transpose(&mut tile);
+                    for (i, v) in tile.iter().enumerate() {
+                        v.store(dst.add((c2 + i) * W) as *mut f32);
+                    }
+                }
+            }
+        }
+    }
     let table = c.table.add(req * c.table_stride);
     let bs = c.block_size as i64;
     let int8 = F == 3;
@@ -473,6 +527,83 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     kscale[j] = ks;
                     vscale[j] = vs;
                 }
+            }
+            #[cfg(target_arch = "x86_64")]
+            if cols {
+                let kbp = kb;
+                for (j, kr) in kptr.iter().enumerate() {
+                    let dst = kbp.add(j * d);
+                    if F == 1 {
+                        std::ptr::copy_nonoverlapping(*kr as *const u16, dst, d);
+                        continue;
+                    }
+                    let mut cc = 0;
+                    while cc < d {
+                        let lo = load_row::<S, F>(*kr, cc);
+                        S::store_bf16x2(lo, load_row::<S, F>(*kr, cc + W), dst.add(cc));
+                        cc += 2 * W;
+                    }
+                }
+                let njp = nk.div_ceil(2);
+                for jp in 0..njp {
+                    let (va, vb) = (vptr[2 * jp], vptr[2 * jp + 1]); // a non-real key: zero row
+                    for cc in 0..nc {
+                        S::store_pair_rows(
+                            load_row::<S, F>(va, cc * W),
+                            load_row::<S, F>(vb, cc * W),
+                            vp.add(jp * d + cc * W),
+                        );
+                    }
+                }
+                let ksc = &*(kscale.as_ptr() as *const [f32; W]);
+                let vsc = &*(vscale.as_ptr() as *const [f32; W]);
+                for b in 0..nblk {
+                    if b * W >= r_hi || (b + 1) * W <= r_lo {
+                        continue; // no row of this block sees a key of the tile
+                    }
+                    let mut lane_masks = [0u32; W];
+                    let (mut slope, mut qpos) = ([0f32; W], [0f32; W]);
+                    let (mut tk, mut gg) = (b * W / g, b * W % g); // row b * W + lane
+                    for lane in 0..W.min(hrows - b * W) {
+                        lane_masks[lane] = masks[tk] as u32;
+                        if !c.alibi.is_null() {
+                            qpos[lane] = (first_pos + tk as i64) as f32;
+                            slope[lane] = *c.alibi.add(hh * g + gg);
+                        }
+                        gg += 1;
+                        if gg == g {
+                            gg = 0;
+                            tk += 1;
+                        }
+                    }
+                    let mut kmask = [0u16; W];
+                    let full = crate::cols::key_masks(&lane_masks, &mut kmask);
+                    let tile = crate::cols::Tile {
+                        kb: kbp,
+                        vp,
+                        njp,
+                        qs: c.scale * kscale_of(hh),
+                        kmask: if full { None } else { Some(&kmask) },
+                        kscale: if int8 { Some(ksc) } else { None },
+                        vscale: if int8 { Some(vsc) } else { None },
+                        soft_cap: c.soft_cap,
+                        alibi: if c.alibi.is_null() {
+                            None
+                        } else {
+                            Some((&slope, &qpos, k0 as f32))
+                        },
+                    };
+                    let at = ((hh - h0) * nblk + b) * W;
+                    crate::cols::block_d(
+                        d,
+                        &tile,
+                        q_t.add(at * d / 2),
+                        acc_t.as_mut_ptr().add(at * d),
+                        m_t.as_mut_ptr().add(at),
+                        l_t.as_mut_ptr().add(at),
+                    );
+                }
+                continue;
             }
             let hq0 = (hh - h0) * hrows; // this head's first row
             let (qh, acch) = (q.as_ptr().add(hq0 * d), acc.as_mut_ptr().add(hq0 * d));
@@ -657,6 +788,26 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             }
         }
         k0 += W as i64;
+    }
+    if cols {
+        // back to row-major (acc[r][e], m[r], l[r]): 16 x 16 transposes
+        for hh in h0..h1 {
+            for b in 0..nblk {
+                let at = ((hh - h0) * nblk + b) * W;
+                let r0 = (hh - h0) * hrows + b * W;
+                let n = W.min(hrows - b * W);
+                for cc in (0..d).step_by(W) {
+                    let mut tile: [S; W] =
+                        std::array::from_fn(|i| S::load(acc_t.as_ptr().add(at * d + (cc + i) * W)));
+                    S::transpose(&mut tile);
+                    for (lane, v) in tile.iter().enumerate().take(n) {
+                        v.store(acc.as_mut_ptr().add((r0 + lane) * d + cc));
+                    }
+                }
+                m[r0..r0 + n].copy_from_slice(&m_t[at..at + n]);
+                l[r0..r0 + n].copy_from_slice(&l_t[at..at + n]);
+            }
+        }
     }
     if part >= 0 {
         // Partial layout, token-major: [token][query head][d + 2] = (acc, m, l), so the block

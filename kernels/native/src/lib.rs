@@ -19,6 +19,7 @@
 #![allow(clippy::result_unit_err, clippy::manual_is_multiple_of)]
 
 pub mod attend;
+pub mod cols;
 pub mod ops;
 pub mod pool;
 pub mod simd;
@@ -137,7 +138,7 @@ pub unsafe fn run(
     let hk = c.num_kv_heads;
     let hpt = if fuse_heads { hk } else { 1 }; // KV heads per task
     let per_item = hk / hpt;
-    let need = scratch_len(max_rows / hk * hpt, c.head_dim);
+    let need = scratch_len(max_rows / hk * hpt, c.head_dim, hpt);
     pool::for_each(num_items * per_item, threads, mode, &|t| {
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();

@@ -1,0 +1,226 @@
+//! Prefill tiles in blocks of 16 query rows, *transposed*: one vector holds one key's scores
+//! for 16 rows, so the online softmax is vertical (no horizontal max or sum, one vector `exp`
+//! for the 16 rescale factors) and the accumulator is kept as `acc_t[col][row]`.
+//!
+//!   scores   s[j][row] = sum_dp K[j] pair dp (broadcast) . q_t[dp][row]   (vdpbf16ps)
+//!   softmax  m_new = max(m, max_j s[j]); e[j] = exp(s[j] - m_new); l = l * alpha + sum_j e[j]
+//!   P.V      acc_t[c][row] += V pair (2 jp, 2 jp + 1)[c] (broadcast) . P pair jp [row]
+//!
+//! Needs AVX-512 BF16; `attend::run_item` takes this path for bf16 queries over a bf16 cache (or
+//! an int8 / fp8 one converted exactly to bf16 first) when a KV head has >= `COLS_MIN_ROWS` rows.
+//! Costs per block and tile: 2 x 16 x d / 2 bf16-pair dot products, 17 vector `exp`, no
+//! transposes (the queries are laid out once per item, the accumulator transposed back once).
+//! P is rounded to bf16 before P.V, as on the row path and in flash attention.
+
+#![cfg(target_arch = "x86_64")]
+
+use crate::simd::{self, Avx512, Simd, W};
+use std::arch::x86_64::*;
+
+/// What varies per block and tile besides the data.
+pub struct Tile<'a> {
+    /// bf16 K rows of the tile, `d` apart (a zero row for keys that are not real)
+    pub kb: *const u16,
+    /// V tile as key pairs: `njp` rows of `d` dwords (`attend`'s `vp`)
+    pub vp: *const u32,
+    pub njp: usize,
+    /// score scale (softmax scale x fp8 K scale)
+    pub qs: f32,
+    /// per key: the rows (bits) that see it; `None`: every row sees every key
+    pub kmask: Option<&'a [u16; W]>,
+    /// int8: per-key K and V scales
+    pub kscale: Option<&'a [f32; W]>,
+    pub vscale: Option<&'a [f32; W]>,
+    pub soft_cap: f32,
+    /// ALiBi: per-row slope and query position, and the tile's first key position
+    pub alibi: Option<(&'a [f32; W], &'a [f32; W], f32)>,
+}
+
+#[inline(always)]
+unsafe fn bh(x: __m512i) -> __m512bh {
+    std::mem::transmute::<__m512i, __m512bh>(x)
+}
+
+/// Sixteen fp32 lanes as bf16 (round to nearest even) in the low halves of 16 dwords.
+#[inline(always)]
+unsafe fn bf16_low(x: __m512) -> __m512i {
+    let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(x));
+    _mm512_cvtepu16_epi32(h)
+}
+
+/// Head dims this path is compiled for (a constant `D` unrolls every loop).
+pub fn supports(d: usize) -> bool {
+    matches!(d, 32 | 64 | 96 | 128 | 256)
+}
+
+/// `block` for head dim `d` (one of `supports`).
+///
+/// # Safety
+/// As `block`.
+#[inline(always)]
+pub unsafe fn block_d(
+    d: usize,
+    t: &Tile,
+    q_t: *const u32,
+    acc_t: *mut f32,
+    m: *mut f32,
+    l: *mut f32,
+) {
+    match d {
+        32 => block::<32>(t, q_t, acc_t, m, l),
+        64 => block::<64>(t, q_t, acc_t, m, l),
+        96 => block::<96>(t, q_t, acc_t, m, l),
+        128 => block::<128>(t, q_t, acc_t, m, l),
+        _ => block::<256>(t, q_t, acc_t, m, l),
+    }
+}
+
+/// One block of 16 rows over one tile of 16 keys: scores, online softmax and P.V, updating
+/// `acc_t` (`D` x 16), `m` and `l` (16 each) in place. `q_t`: `D / 2` x 16 dwords of query pairs.
+///
+/// # Safety
+/// Every pointer covers the stated shapes; the CPU has AVX-512 F/BW/BF16.
+#[inline(always)]
+pub unsafe fn block<const D: usize>(
+    t: &Tile,
+    q_t: *const u32,
+    acc_t: *mut f32,
+    m: *mut f32,
+    l: *mut f32,
+) {
+    let d = D;
+    let dp = D / 2;
+    // Scores: 16 independent accumulators, one per key.
+    let mut s = [_mm512_setzero_ps(); W];
+    let kb = t.kb as *const u32;
+    for i in 0..dp {
+        let q = bh(_mm512_loadu_si512(q_t.add(i * W) as *const _));
+        for j in 0..W {
+            let k = bh(_mm512_set1_epi32(*kb.add(j * dp + i) as i32));
+            s[j] = _mm512_dpbf16_ps(s[j], k, q);
+        }
+    }
+    let qs = _mm512_set1_ps(t.qs);
+    for j in 0..W {
+        s[j] = _mm512_mul_ps(s[j], qs);
+    }
+    if let Some(ks) = t.kscale {
+        for j in 0..W {
+            s[j] = _mm512_mul_ps(s[j], _mm512_set1_ps(ks[j]));
+        }
+    }
+    if t.soft_cap > 0.0 {
+        for j in 0..W {
+            let x = Avx512::<true>(_mm512_mul_ps(s[j], _mm512_set1_ps(1.0 / t.soft_cap)));
+            s[j] = _mm512_mul_ps(simd::tanh(x).0, _mm512_set1_ps(t.soft_cap));
+        }
+    }
+    if let Some((slope, qpos, k0)) = t.alibi {
+        let (slope, qpos) = (
+            _mm512_loadu_ps(slope.as_ptr()),
+            _mm512_loadu_ps(qpos.as_ptr()),
+        );
+        for j in 0..W {
+            let rel = _mm512_sub_ps(_mm512_set1_ps(k0 + j as f32), qpos);
+            s[j] = _mm512_fmadd_ps(rel, slope, s[j]);
+        }
+    }
+    if let Some(km) = t.kmask {
+        for j in 0..W {
+            s[j] = _mm512_mask_blend_ps(km[j], _mm512_set1_ps(f32::NEG_INFINITY), s[j]);
+        }
+    }
+    // Online softmax, vertical: per row (lane) over the tile's keys.
+    let mut mx = s;
+    let mut w = W / 2;
+    while w > 0 {
+        for j in 0..w {
+            mx[j] = _mm512_max_ps(mx[j], mx[j + w]);
+        }
+        w /= 2;
+    }
+    let m_old = _mm512_loadu_ps(m);
+    let m_new = _mm512_max_ps(m_old, mx[0]);
+    // A row that has seen no key yet (m = -inf) gets alpha ~ 0 from the clamped exp; its
+    // accumulator and sum are zero, so nothing is lost.
+    let alpha = Avx512::<true>(_mm512_sub_ps(m_old, m_new)).exp().0;
+    let mut e = [_mm512_setzero_ps(); W];
+    for j in 0..W {
+        e[j] = Avx512::<true>(_mm512_sub_ps(s[j], m_new)).exp().0;
+    }
+    if let Some(km) = t.kmask {
+        for j in 0..W {
+            e[j] = _mm512_maskz_mov_ps(km[j], e[j]);
+        }
+    }
+    let mut sum = e;
+    let mut w = W / 2;
+    while w > 0 {
+        for j in 0..w {
+            sum[j] = _mm512_add_ps(sum[j], sum[j + w]);
+        }
+        w /= 2;
+    }
+    // rows that saw no key at all keep m = -inf and l = 0
+    let seen = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(m_new, _mm512_set1_ps(f32::NEG_INFINITY));
+    let alpha = _mm512_maskz_mov_ps(seen, alpha);
+    let alpha = _mm512_mask_blend_ps(
+        _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(m_old, m_new),
+        alpha,
+        _mm512_set1_ps(1.0),
+    );
+    _mm512_storeu_ps(m, m_new);
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum[0]));
+    let rescale = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(alpha, _mm512_set1_ps(1.0)) != 0;
+    // P as bf16 pairs of keys (2 jp low, 2 jp + 1 high) per row.
+    let mut pp = [_mm512_setzero_si512(); W / 2];
+    if let Some(vs) = t.vscale {
+        for j in 0..W {
+            e[j] = _mm512_mul_ps(e[j], _mm512_set1_ps(vs[j]));
+        }
+    }
+    for jp in 0..W / 2 {
+        pp[jp] = _mm512_or_si512(
+            bf16_low(e[2 * jp]),
+            _mm512_slli_epi32::<16>(bf16_low(e[2 * jp + 1])),
+        );
+    }
+    // P.V on the transposed accumulator, 16 columns at a time.
+    let mut cc = 0;
+    while cc < d {
+        let mut a = [_mm512_setzero_ps(); W];
+        for c in 0..W {
+            a[c] = _mm512_loadu_ps(acc_t.add((cc + c) * W));
+            if rescale {
+                a[c] = _mm512_mul_ps(a[c], alpha);
+            }
+        }
+        for jp in 0..t.njp {
+            let p = bh(pp[jp]);
+            let v = t.vp.add(jp * d + cc);
+            for c in 0..W {
+                a[c] = _mm512_dpbf16_ps(a[c], bh(_mm512_set1_epi32(*v.add(c) as i32)), p);
+            }
+        }
+        for c in 0..W {
+            _mm512_storeu_ps(acc_t.add((cc + c) * W), a[c]);
+        }
+        cc += W;
+    }
+}
+
+/// Per key `j`, the lanes (rows) whose mask has bit `j`; true when every lane sees every key.
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+#[inline(always)]
+pub unsafe fn key_masks(lane_masks: &[u32; W], out: &mut [u16; W]) -> bool {
+    let mv = _mm512_loadu_si512(lane_masks.as_ptr() as *const _);
+    if _mm512_cmpeq_epi32_mask(mv, _mm512_set1_epi32(0xffff)) == 0xffff {
+        return true;
+    }
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = _mm512_test_epi32_mask(mv, _mm512_set1_epi32(1 << j));
+    }
+    false
+}
