@@ -430,7 +430,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let mut base = [0usize; W]; // byte offset of key j's K row of head 0 (real keys)
     let mut kptr = [zero_row; W];
     let mut vptr = [zero_row; W];
-    let mut masks = [0u16; 256];
+    let mut masks = [0u16; 256 + W]; // per query token; W spare for `cols::lane_masks`
     let mut k0 = key_lo;
     while k0 < key_hi {
         let n = (key_hi - k0).min(W as i64) as usize;
@@ -534,7 +534,9 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 for (j, kr) in kptr.iter().enumerate() {
                     let dst = kbp.add(j * d);
                     if F == 1 {
-                        std::ptr::copy_nonoverlapping(*kr as *const u16, dst, d);
+                        for cc in (0..d / 2).step_by(W) {
+                            S::load((*kr as *const f32).add(cc)).store((dst as *mut f32).add(cc));
+                        }
                         continue;
                     }
                     let mut cc = 0;
@@ -561,23 +563,17 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     if b * W >= r_hi || (b + 1) * W <= r_lo {
                         continue; // no row of this block sees a key of the tile
                     }
-                    let mut lane_masks = [0u32; W];
                     let (mut slope, mut qpos) = ([0f32; W], [0f32; W]);
-                    let (mut tk, mut gg) = (b * W / g, b * W % g); // row b * W + lane
-                    for lane in 0..W.min(hrows - b * W) {
-                        lane_masks[lane] = masks[tk] as u32;
-                        if !c.alibi.is_null() {
-                            qpos[lane] = (first_pos + tk as i64) as f32;
-                            slope[lane] = *c.alibi.add(hh * g + gg);
-                        }
-                        gg += 1;
-                        if gg == g {
-                            gg = 0;
-                            tk += 1;
+                    if !c.alibi.is_null() {
+                        for lane in 0..W.min(hrows - b * W) {
+                            let rl = b * W + lane;
+                            qpos[lane] = (first_pos + (rl / g) as i64) as f32;
+                            slope[lane] = *c.alibi.add(hh * g + rl % g);
                         }
                     }
                     let mut kmask = [0u16; W];
-                    let full = crate::cols::key_masks(&lane_masks, &mut kmask);
+                    let lanes = crate::cols::lane_masks(masks.as_ptr(), b, g, hrows);
+                    let full = crate::cols::key_masks(lanes, &mut kmask);
                     let tile = crate::cols::Tile {
                         kb: kbp,
                         vp,

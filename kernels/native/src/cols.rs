@@ -209,13 +209,35 @@ pub unsafe fn block<const D: usize>(
     }
 }
 
+/// The key mask (`masks[token]`, 16 bits) of each row of block `b`, a row being token
+/// `row / g` (zero past `hrows`): the block's tokens are 16 consecutive ones from `b * 16 / g`.
+///
+/// # Safety
+/// `masks` holds `b * 16 / g + 16` entries; the CPU has AVX-512 F/BW.
+#[inline(always)]
+pub unsafe fn lane_masks(masks: *const u16, b: usize, g: usize, hrows: usize) -> __m512i {
+    let tk0 = b * W / g;
+    let all = _mm512_cvtepu16_epi32(_mm256_loadu_si256(masks.add(tk0) as *const _));
+    let rows = _mm512_add_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((b * W) as i32),
+    );
+    // token = floor(row / g), exact in fp32 for these small integers
+    let tok = _mm512_cvttps_epi32(_mm512_div_ps(
+        _mm512_add_ps(_mm512_cvtepi32_ps(rows), _mm512_set1_ps(0.5)),
+        _mm512_set1_ps(g as f32),
+    ));
+    let idx = _mm512_sub_epi32(tok, _mm512_set1_epi32(tk0 as i32));
+    let valid = _mm512_cmplt_epi32_mask(rows, _mm512_set1_epi32(hrows as i32));
+    _mm512_maskz_permutexvar_epi32(valid, idx, all)
+}
+
 /// Per key `j`, the lanes (rows) whose mask has bit `j`; true when every lane sees every key.
 ///
 /// # Safety
 /// The CPU has AVX-512 F.
 #[inline(always)]
-pub unsafe fn key_masks(lane_masks: &[u32; W], out: &mut [u16; W]) -> bool {
-    let mv = _mm512_loadu_si512(lane_masks.as_ptr() as *const _);
+pub unsafe fn key_masks(mv: __m512i, out: &mut [u16; W]) -> bool {
     if _mm512_cmpeq_epi32_mask(mv, _mm512_set1_epi32(0xffff)) == 0xffff {
         return true;
     }
