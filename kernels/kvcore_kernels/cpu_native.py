@@ -14,6 +14,15 @@ range is cut into splits whose partial results a second pass merges (flash-decod
                 key_lo = first query's window start (0 without a window), key_hi = last pos + 1
     split s:    keys [key_lo + s * span, key_lo + (s+1) * span) of the item, partials merged
 
+Decode requests that share cached prefix blocks (the radix cache hands a common system prompt's
+blocks to every request) get a *cascade* item: their query tokens, consecutive in the step, are
+the rows of one item over the shared keys, so those K/V rows are read once per run of up to
+``ITEM_ROWS // group`` requests instead of once per request; each request's own keys are a
+second item, and the two partials are merged like splits (FlashInfer's cascade attention)::
+
+    cascade:    requests r0 .. r0+n-1 (one query token each), keys [0, shared)
+    own:        request r, keys [shared, seq_len[r]); merged with its row of the cascade item
+
 ``work_for`` builds the items once per step and configuration (cached in the metadata, like the
 twin's chunks); a layer's call then costs one FFI call with the tensors' addresses.
 
@@ -21,7 +30,8 @@ Threads: by default the kernel runs on torch's own OpenMP team (the address of `
 in the libgomp torch loaded is handed to the extension), with ``torch.get_num_threads()``
 threads, so it never competes with torch's spinning workers. ``KVCORE_NATIVE_THREADS`` =
 ``omp`` | ``rayon`` | ``single`` picks another mode (docs/kernels.md has the measurements);
-``KVCORE_NATIVE_PORTABLE=1`` forces the portable (non-AVX-512) code path.
+``KVCORE_NATIVE_PORTABLE=1`` forces the portable (non-AVX-512) code path;
+``KVCORE_NATIVE_CASCADE=0`` turns cascade items off.
 """
 
 from __future__ import annotations
@@ -42,6 +52,10 @@ TASKS_PER_THREAD = 4  # split long key ranges until a step has this many tasks p
 MIN_SPLIT_KEYS = 512  # ... but never into splits shorter than this
 MAX_SPLITS = 64
 MIN_CASCADE_KEYS = 64  # a shared prefix shorter than this is read per request
+# ... and by fewer query rows than this (requests x GQA group): a few decode rows read the prefix
+# faster per request (bench_cascade_cpu.py, 2 threads: 0.81x at 2 requests x 3 rows, 1.00x at 6,
+# 1.03x at 8, 1.21x at 16, 1.31-1.40x at 48)
+MIN_CASCADE_ROWS = 24
 MODES = {"single": 0, "omp": 1, "rayon": 2}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FMT_F32, FMT_BF16, FMT_F16, FMT_INT8, FMT_E4M3, FMT_E5M2 = range(6)
@@ -142,12 +156,13 @@ def work_for(
 
 
 def _shared_runs(
-    meta: AttentionMetadata, q_lens: np.ndarray, per_item: int
+    meta: AttentionMetadata, q_lens: np.ndarray, per_item: int, min_requests: int
 ) -> list[tuple[int, int, int]]:
-    """Cascade groups: ``(first request, requests, shared keys)`` for runs of 2..``per_item``
-    consecutive decode requests whose block tables start with the same blocks (a cached prefix
-    the radix cache shares). Only whole blocks before each request's own last token count, and
-    never a null (released) entry; a run shares at least ``MIN_CASCADE_KEYS`` keys."""
+    """Cascade groups: ``(first request, requests, shared keys)``. A run of at least
+    ``min_requests`` consecutive decode requests whose block tables start with the same block
+    (a cached prefix the radix cache shares) is cut into even groups of at most ``per_item``;
+    each group shares the whole blocks its tables have in common before every request's own
+    last token, up to the first null (released) entry, if that is ``MIN_CASCADE_KEYS`` or more."""
     table, lens, bs = meta.host_block_table, meta.host_seq_lens, meta.block_size
     decode = (q_lens == 1) & (table[:, 0] != 0) if table.shape[1] else q_lens < 0
     runs, r, n = [], 0, len(q_lens)
@@ -156,14 +171,18 @@ def _shared_runs(
             r += 1
             continue
         end = r + 1
-        while end < n and end - r < per_item and decode[end] and table[end, 0] == table[r, 0]:
+        while end < n and decode[end] and table[end, 0] == table[r, 0]:
             end += 1
-        if end - r >= 2:
-            full = int(((lens[r:end] - 1) // bs).min())
-            same = (table[r:end, :full] == table[r, :full]).all(axis=0) & (table[r, :full] != 0)
-            blocks = int(np.argmin(same)) if not same.all() else full
-            if blocks * bs >= MIN_CASCADE_KEYS:
-                runs.append((r, end - r, blocks * bs))
+        if end - r >= min_requests:
+            groups = -(-(end - r) // per_item)
+            cuts = [r + (end - r) * k // groups for k in range(groups + 1)]
+            for lo, hi in zip(cuts, cuts[1:], strict=False):
+                full = int(((lens[lo:hi] - 1) // bs).min())
+                same = (table[lo:hi, :full] == table[lo, :full]).all(axis=0)
+                same &= table[lo, :full] != 0
+                blocks = int(np.argmin(same)) if not same.all() else full
+                if blocks * bs >= MIN_CASCADE_KEYS:
+                    runs.append((lo, hi - lo, blocks * bs))
         r = end
     return runs
 
@@ -207,8 +226,11 @@ def _build(
     # as the query tokens of one item, and merge that partial with their own keys'. Not with
     # splits (a step with few tasks), windows or ALiBi (the item's rows borrow positions).
     in_cascade = np.zeros(len(q_lens), dtype=bool)
-    runs = _shared_runs(meta, q_lens, max(1, ITEM_ROWS // group)) if (splits == 1).all() else []
-    for r0, n, shared in runs if cascade else []:
+    runs = []
+    if cascade and (splits == 1).all():
+        per_run = max(1, ITEM_ROWS // group)
+        runs = _shared_runs(meta, q_lens, per_run, max(2, -(-MIN_CASCADE_ROWS // group)))
+    for r0, n, shared in runs:
         in_cascade[r0 : r0 + n] = True
         items.append((r0, int(qsl[r0]), n, 0, shared, offset))
         for k in range(n):  # request k's own partial sits n tokens after its prefix partial

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import kvcore_kernels as kk
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -265,8 +266,10 @@ def test_cascade_over_a_shared_prefix_matches_twin(draw, path, monkeypatch):
                                alibi=draw["alibi"])  # fmt: skip
     if draw["window"] or draw["alibi"]:
         assert work.cascade_requests == 0
-    elif draw["prefix"] * bs >= cpu_native.MIN_CASCADE_KEYS and all(
-        s == draw["prefix"] for s in draw["shares"]
+    elif (
+        draw["prefix"] * bs >= cpu_native.MIN_CASCADE_KEYS
+        and all(s == draw["prefix"] for s in draw["shares"])
+        and len(draw["shares"]) * draw["num_q_heads"] // hk >= cpu_native.MIN_CASCADE_ROWS
     ):
         assert work.cascade_requests == len(draw["shares"])  # every decode request
     else:
@@ -323,3 +326,30 @@ def test_prefill_row_blocks_match_twin(heads, fmt, feature, gen, path):
     native = kk.paged_attention(b.query, cache, meta, **feats, backend="cpu", out=out)
     twin = kk.paged_attention(b.query, cache, meta, **feats, backend="torch")
     _compare(native, twin, dtype)
+
+
+def test_cascade_stops_at_a_released_block_and_at_the_last_token(gen):
+    """A null (released) entry ends the shared run; a block holding a request's last token is
+    never part of it; the answer stays the twin's."""
+    bs = 16
+    b = make_batch(gen, [(200, 1), (200, 1), (200, 1), (150, 1)], block_size=bs, num_q_heads=4,
+                   num_kv_heads=2, head_dim=32, dtype=torch.float32)  # fmt: skip
+    table = b.block_table.clone()
+    table[1:, :13] = table[0, :13]  # request 3's last token (position 150) sits in block 9
+    table[:, 6] = 0  # released for everyone: shared keys end at block 6
+    b.kv_cache[0] = float("nan")
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, table, bs)
+    runs = cpu_native._shared_runs(meta, np.diff(meta.host_query_start_loc), 48, 2)
+    assert runs == [(0, 4, 6 * bs)]
+    assert cpu_native._shared_runs(meta, np.diff(meta.host_query_start_loc), 3, 2) == [
+        (0, 2, 6 * bs),
+        (2, 2, 6 * bs),
+    ]  # two even groups
+    assert cpu_native._shared_runs(meta, np.diff(meta.host_query_start_loc), 48, 5) == []
+    native = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.2, backend="cpu")
+    twin = kk.paged_attention(b.query, b.kv_cache, meta, scale=0.2, backend="torch")
+    _compare(native, twin, torch.float32)
+    table[:, 6] = b.block_table[0, 6]  # no release: the run is cut by request 3's last token
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, table, bs)
+    runs = cpu_native._shared_runs(meta, np.diff(meta.host_query_start_loc), 48, 2)
+    assert runs == [(0, 4, (150 // bs) * bs)]

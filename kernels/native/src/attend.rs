@@ -14,7 +14,9 @@
 //! With AVX-512 BF16 and bf16 queries (bf16 caches; int8 / fp8 ones converted exactly) the K
 //! tile is re-laid as dimension pairs instead (`kp[dp][j]`, a 16 x 16 dword transpose per 32
 //! dimensions) and each score row is `d / 2` broadcast `vdpbf16ps`; prefill rows do P.V the same
-//! way on V re-laid as key pairs, with P rounded to bf16 (as flash attention's P.V).
+//! way on V re-laid as key pairs, with P rounded to bf16 (as flash attention's P.V). An item with
+//! >= `COLS_MIN_ROWS` rows per KV head on that path runs in transposed blocks of 16 rows instead
+//! (`cols.rs`: scores of one key for 16 rows per vector, a vertical online softmax).
 //!
 //! A key is visible to a row if it lies in [qpos - window + 1, qpos] and its block is not
 //! released (block-table entry 0 inside the sequence, when the call says blocks were released):

@@ -4,6 +4,7 @@
 //! the work list once per step.
 //!
 //! * `attend`: one item (request x KV head x query tokens x key range), the online softmax.
+//! * `cols`: the transposed path of an item with many rows (blocks of 16 rows, AVX-512 BF16).
 //! * `simd`: the 16-lane vector type, AVX-512 or portable, chosen at run time here.
 //! * `pool`: torch's OpenMP team, a rayon pool or the calling thread.
 //! * `store`: a step's K/V rows written into their cache slots.
