@@ -52,10 +52,9 @@ TASKS_PER_THREAD = 4  # split long key ranges until a step has this many tasks p
 MIN_SPLIT_KEYS = 512  # ... but never into splits shorter than this
 MAX_SPLITS = 64
 MIN_CASCADE_KEYS = 64  # a shared prefix shorter than this is read per request
-# ... and by fewer query rows than this (requests x GQA group): a few decode rows read the prefix
-# faster per request (bench_cascade_cpu.py, 2 threads: 0.81x at 2 requests x 3 rows, 1.00x at 6,
-# 1.03x at 8, 1.21x at 16, 1.31-1.40x at 48)
-MIN_CASCADE_ROWS = 24
+# Groups of 2 requests and up: bench_cascade_cpu.py (GQA 9/3, 512 shared keys) measured the
+# cascade 1.03x at 2 requests (1 thread), 1.10-1.17x at 3-6, 1.26x at 8, 1.41-1.47x at 16-48.
+MIN_CASCADE_REQUESTS = 2
 MODES = {"single": 0, "omp": 1, "rayon": 2}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FMT_F32, FMT_BF16, FMT_F16, FMT_INT8, FMT_E4M3, FMT_E5M2 = range(6)
@@ -229,7 +228,7 @@ def _build(
     runs = []
     if cascade and (splits == 1).all():
         per_run = max(1, ITEM_ROWS // group)
-        runs = _shared_runs(meta, q_lens, per_run, max(2, -(-MIN_CASCADE_ROWS // group)))
+        runs = _shared_runs(meta, q_lens, per_run, MIN_CASCADE_REQUESTS)
     for r0, n, shared in runs:
         in_cascade[r0 : r0 + n] = True
         items.append((r0, int(qsl[r0]), n, 0, shared, offset))
