@@ -71,6 +71,19 @@ def _features(b, draw, device="cpu"):
     }
 
 
+def _quantized(b, fmt):
+    """The batch's K/V stored in a fresh ``fmt`` cache through each request's own blocks."""
+    nb, _, bs, hk, d = b.kv_cache.shape
+    cache = allocate_kv_caches(fmt, 1, nb, bs, hk, d, b.kv_cache.dtype, "cpu")[0]
+    table = b.block_table.long()
+    slots = torch.cat(
+        [table[r, torch.arange(len(k)) // bs] * bs + torch.arange(len(k)) % bs
+         for r, k in enumerate(b.keys)]
+    )  # fmt: skip
+    kk.store_kv(torch.cat(b.keys), torch.cat(b.values), cache, slots, backend="torch")
+    return cache
+
+
 def _compare(native, twin, dtype):
     assert not torch.isnan(native).any(), "a row was left unwritten"
     err = (native.float() - twin.float()).abs().max().item()
@@ -110,15 +123,7 @@ def test_quantized_cache_matches_twin(draw, fmt, path, monkeypatch):
         gen, draw["reqs"], block_size=bs, num_q_heads=draw["num_q_heads"],
         num_kv_heads=draw["num_kv_heads"], head_dim=draw["head_dim"], dtype=dtype,
     )  # fmt: skip
-    cache = allocate_kv_caches(
-        fmt, 1, b.kv_cache.shape[0], bs, draw["num_kv_heads"], draw["head_dim"], dtype, "cpu"
-    )[0]
-    table = b.block_table.long()
-    slots = torch.cat(
-        [table[r, torch.arange(len(k)) // bs] * bs + torch.arange(len(k)) % bs
-         for r, k in enumerate(b.keys)]
-    )  # fmt: skip
-    kk.store_kv(torch.cat(b.keys), torch.cat(b.values), cache, slots, backend="torch")
+    cache = _quantized(b, fmt)
     meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, bs)
     feats = _features(b, draw)
     native = kk.paged_attention(b.query, cache, meta, **feats, backend="cpu")
@@ -245,16 +250,7 @@ def test_cascade_over_a_shared_prefix_matches_twin(draw, path, monkeypatch):
     lead = len(draw["before"])
     for k, s in enumerate(draw["shares"]):
         table[lead + k, :s] = table[lead, :s]
-    cache = b.kv_cache
-    if draw["fmt"]:
-        cache = allocate_kv_caches(draw["fmt"], 1, cache.shape[0], bs, hk, draw["head_dim"],
-                                   dtype, "cpu")[0]  # fmt: skip
-        own = b.block_table.long()
-        slots = torch.cat(
-            [own[r, torch.arange(len(k)) // bs] * bs + torch.arange(len(k)) % bs
-             for r, k in enumerate(b.keys)]
-        )  # fmt: skip
-        kk.store_kv(torch.cat(b.keys), torch.cat(b.values), cache, slots, backend="torch")
+    cache = _quantized(b, draw["fmt"]) if draw["fmt"] else b.kv_cache
     meta = kk.plan_attention(b.query_start_loc, b.seq_lens, table, bs)
     feats = _features(b, draw)
     out = torch.full_like(b.query, float("nan"))
@@ -304,15 +300,7 @@ def test_prefill_row_blocks_match_twin(heads, fmt, feature, gen, path):
     dtype, bs, d = torch.bfloat16, 16, 64
     b = make_batch(gen, [(70, 37), (0, 1), (5, 23), (300, 1)], block_size=bs, num_q_heads=hq,
                    num_kv_heads=hk, head_dim=d, dtype=dtype)  # fmt: skip
-    cache = b.kv_cache
-    if fmt:
-        cache = allocate_kv_caches(fmt, 1, cache.shape[0], bs, hk, d, dtype, "cpu")[0]
-        own = b.block_table.long()
-        slots = torch.cat(
-            [own[r, torch.arange(len(k)) // bs] * bs + torch.arange(len(k)) % bs
-             for r, k in enumerate(b.keys)]
-        )  # fmt: skip
-        kk.store_kv(torch.cat(b.keys), torch.cat(b.values), cache, slots, backend="torch")
+    cache = _quantized(b, fmt) if fmt else b.kv_cache
     meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, bs)
     feats = {
         "scale": d**-0.5,

@@ -15,8 +15,8 @@
 //! tile is re-laid as dimension pairs instead (`kp[dp][j]`, a 16 x 16 dword transpose per 32
 //! dimensions) and each score row is `d / 2` broadcast `vdpbf16ps`; prefill rows do P.V the same
 //! way on V re-laid as key pairs, with P rounded to bf16 (as flash attention's P.V). An item with
-//! >= `COLS_MIN_ROWS` rows per KV head on that path runs in transposed blocks of 16 rows instead
-//! (`cols.rs`: scores of one key for 16 rows per vector, a vertical online softmax).
+//! at least `COLS_MIN_ROWS` rows per KV head on that path runs in transposed blocks of 16 rows
+//! instead (`cols.rs`: scores of one key for 16 rows per vector, a vertical online softmax).
 //!
 //! A key is visible to a row if it lies in [qpos - window + 1, qpos] and its block is not
 //! released (block-table entry 0 inside the sequence, when the call says blocks were released):
@@ -147,6 +147,26 @@ unsafe fn load_row<S: Simd, const F: u8>(p: *const u8, c: usize) -> S {
         3 => S::load_i8((p as *const i8).add(c)),
         4 => S::load_e4m3(p.add(c)),
         _ => S::load_e5m2(p.add(c)),
+    }
+}
+
+/// The tile's V rows as key pairs: `vp[jp][c]` = (V[2 jp][c], V[2 jp + 1][c]) as a bf16 pair,
+/// `njp` rows of `d` dwords (exact for bf16, int8 and fp8 values; a non-real key is a zero row).
+#[inline(always)]
+unsafe fn relay_v_pairs<S: Simd, const F: u8>(
+    v: &[*const u8; W],
+    njp: usize,
+    d: usize,
+    vp: *mut u32,
+) {
+    for jp in 0..njp {
+        for cc in (0..d).step_by(W) {
+            S::store_pair_rows(
+                load_row::<S, F>(v[2 * jp], cc),
+                load_row::<S, F>(v[2 * jp + 1], cc),
+                vp.add(jp * d + cc),
+            );
+        }
     }
 }
 
@@ -549,16 +569,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     }
                 }
                 let njp = nk.div_ceil(2);
-                for jp in 0..njp {
-                    let (va, vb) = (vptr[2 * jp], vptr[2 * jp + 1]); // a non-real key: zero row
-                    for cc in 0..nc {
-                        S::store_pair_rows(
-                            load_row::<S, F>(va, cc * W),
-                            load_row::<S, F>(vb, cc * W),
-                            vp.add(jp * d + cc * W),
-                        );
-                    }
-                }
+                relay_v_pairs::<S, F>(&vptr, njp, d, vp);
                 let ksc = &*(kscale.as_ptr() as *const [f32; W]);
                 let vsc = &*(vscale.as_ptr() as *const [f32; W]);
                 for b in 0..nblk {
@@ -742,16 +753,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 // Many rows (prefill): P in bf16 (as flash attention's P.V), V re-laid as key
                 // pairs, one bf16-pair dot product per two keys: half the FMAs of fp32.
                 let njp = nk.div_ceil(2);
-                for jp in 0..njp {
-                    let (va, vb) = (vptr[2 * jp], vptr[2 * jp + 1]); // a non-real key: zero row
-                    for cc in 0..nc {
-                        S::store_pair_rows(
-                            load_row::<S, F>(va, cc * W),
-                            load_row::<S, F>(vb, cc * W),
-                            vp.add(jp * d + cc * W),
-                        );
-                    }
-                }
+                relay_v_pairs::<S, F>(&vptr, njp, d, vp);
                 for r in r_lo..r_hi {
                     S::load(p.as_ptr().add(r * W)).store_bf16_pairs(pb.add(r * (W / 2)));
                 }

@@ -41,6 +41,19 @@ unsafe fn bh(x: __m512i) -> __m512bh {
     std::mem::transmute::<__m512i, __m512bh>(x)
 }
 
+/// The 16 vectors combined lane-wise by `op` (a max or a sum), as a balanced tree.
+#[inline(always)]
+unsafe fn tree(mut v: [__m512; W], op: impl Fn(__m512, __m512) -> __m512) -> __m512 {
+    let mut w = W / 2;
+    while w > 0 {
+        for j in 0..w {
+            v[j] = op(v[j], v[j + w]);
+        }
+        w /= 2;
+    }
+    v[0]
+}
+
 /// Sixteen fp32 lanes as bf16 (round to nearest even) in the low halves of 16 dwords.
 #[inline(always)]
 unsafe fn bf16_low(x: __m512) -> __m512i {
@@ -131,16 +144,8 @@ pub unsafe fn block<const D: usize>(
         }
     }
     // Online softmax, vertical: per row (lane) over the tile's keys.
-    let mut mx = s;
-    let mut w = W / 2;
-    while w > 0 {
-        for j in 0..w {
-            mx[j] = _mm512_max_ps(mx[j], mx[j + w]);
-        }
-        w /= 2;
-    }
     let m_old = _mm512_loadu_ps(m);
-    let m_new = _mm512_max_ps(m_old, mx[0]);
+    let m_new = _mm512_max_ps(m_old, tree(s, |a, b| _mm512_max_ps(a, b)));
     // A row that has seen no key yet (m = -inf) gets alpha ~ 0 from the clamped exp; its
     // accumulator and sum are zero, so nothing is lost.
     let alpha = Avx512::<true>(_mm512_sub_ps(m_old, m_new)).exp().0;
@@ -153,14 +158,7 @@ pub unsafe fn block<const D: usize>(
             e[j] = _mm512_maskz_mov_ps(km[j], e[j]);
         }
     }
-    let mut sum = e;
-    let mut w = W / 2;
-    while w > 0 {
-        for j in 0..w {
-            sum[j] = _mm512_add_ps(sum[j], sum[j + w]);
-        }
-        w /= 2;
-    }
+    let sum = tree(e, |a, b| _mm512_add_ps(a, b));
     // rows that saw no key at all keep m = -inf and l = 0
     let seen = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(m_new, _mm512_set1_ps(f32::NEG_INFINITY));
     let alpha = _mm512_maskz_mov_ps(seen, alpha);
@@ -170,7 +168,7 @@ pub unsafe fn block<const D: usize>(
         _mm512_set1_ps(1.0),
     );
     _mm512_storeu_ps(m, m_new);
-    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum[0]));
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
     let rescale = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(alpha, _mm512_set1_ps(1.0)) != 0;
     // P as bf16 pairs of keys (2 jp low, 2 jp + 1 high) per row.
     let mut pp = [_mm512_setzero_si512(); W / 2];
