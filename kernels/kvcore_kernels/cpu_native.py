@@ -53,7 +53,7 @@ MIN_SPLIT_KEYS = 512  # ... but never into splits shorter than this
 MAX_SPLITS = 64
 MIN_CASCADE_KEYS = 64  # a shared prefix shorter than this is read per request
 # Groups of 2 requests and up: bench_cascade_cpu.py (GQA 9/3, 512 shared keys) measured the
-# cascade 1.03x at 2 requests (1 thread), 1.10-1.17x at 3-6, 1.26x at 8, 1.41-1.47x at 16-48.
+# cascade 1.03x at 2 requests (1 thread), 1.05-1.17x at 3-6, 1.26-1.30x at 8, 1.35-1.58x at 16-48.
 MIN_CASCADE_REQUESTS = 2
 MODES = {"single": 0, "omp": 1, "rayon": 2}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

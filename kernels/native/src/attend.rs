@@ -366,7 +366,8 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let kb = kb_f.as_mut_ptr() as *mut u16; // [W, d] a converted K tile (dpbf16, F >= 3)
     let (vp_f, rest) = rest.split_at_mut(W * d / 2);
     let vp = vp_f.as_mut_ptr() as *mut u32; // [W / 2, d] V tile as key pairs (dpbf16 prefill)
-                                            // The transposed path (`cols`): KV heads with many rows, blocks of 16 rows (padded).
+
+    // The transposed path (`cols`): KV heads with many rows, in blocks of 16 rows (padded).
     #[cfg(target_arch = "x86_64")]
     let cols = dpbf16 && hrows >= COLS_MIN_ROWS && crate::cols::supports(d);
     #[cfg(not(target_arch = "x86_64"))]
