@@ -96,9 +96,20 @@ def test_256_concurrent_streams_equal_offline_greedy(model_dir):
     assert not _alive(engine_pid)
 
 
+def test_engine_env_bounds_the_openmp_spin_unless_set():
+    from kvcore.engine.core_client import ENGINE_SPIN_COUNT, engine_env
+
+    env = engine_env({"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/bin"})
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/bin",
+                   "GOMP_SPINCOUNT": str(ENGINE_SPIN_COUNT)}  # fmt: skip
+    assert engine_env({"GOMP_SPINCOUNT": "0"})["GOMP_SPINCOUNT"] == "0"  # the user's value wins
+
+
 def test_engine_killed_mid_stream_every_client_gets_an_error(model_dir):
     srv = _serve(model_dir).wait_ready()
     engine_pid = srv.health()["engine_pid"]
+    with open(f"/proc/{engine_pid}/environ", "rb") as f:  # the engine process got the default
+        assert b"GOMP_SPINCOUNT=20000" in f.read().split(b"\0")
 
     async def main():
         async with httpx.AsyncClient(timeout=60) as c:
