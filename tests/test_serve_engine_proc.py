@@ -96,6 +96,24 @@ def test_256_concurrent_streams_equal_offline_greedy(model_dir):
     assert not _alive(engine_pid)
 
 
+def test_an_idle_keep_alive_connection_outlives_clients_pools(model_dir):
+    """A pooled connection idle for 6 s (past uvicorn's default 5 s) still serves a request."""
+    import http.client
+
+    srv = _serve(model_dir).wait_ready()
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    socks = []
+    for _ in range(2):
+        conn.request("GET", "/health")  # raises RemoteDisconnected if the server closed it
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
+        socks.append(conn.sock)
+        time.sleep(6)
+    assert socks[0] is socks[1]  # the same connection, not a new one
+    conn.close()
+    srv.stop()
+
+
 def test_engine_env_bounds_the_openmp_spin_unless_set():
     from kvcore.engine.core_client import ENGINE_SPIN_COUNT, engine_env
 
