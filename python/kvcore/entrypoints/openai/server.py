@@ -44,7 +44,7 @@ http_log = logging.getLogger("kvcore.http")
 #: Seconds an idle keep-alive connection stays open. Longer than clients keep idle pooled
 #: connections (aiohttp 15 s, httpx 5 s), so the client closes first: with uvicorn's 5 s, a
 #: request sent on a pooled connection as the server closed it failed with "Server disconnected"
-#: (1 of 288 requests of `vllm bench serve` at 2 req/s, 2026-12-02).
+#: (1 of 864 requests of `vllm bench serve` at 1-4 req/s, 2026-12-02).
 KEEP_ALIVE_S = 30
 
 
