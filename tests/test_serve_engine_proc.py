@@ -102,16 +102,18 @@ def test_an_idle_keep_alive_connection_outlives_clients_pools(model_dir):
 
     srv = _serve(model_dir).wait_ready()
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
-    socks = []
-    for _ in range(2):
-        conn.request("GET", "/health")  # raises RemoteDisconnected if the server closed it
-        resp = conn.getresponse()
-        assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
-        socks.append(conn.sock)
-        time.sleep(6)
-    assert socks[0] is socks[1]  # the same connection, not a new one
-    conn.close()
-    srv.stop()
+    try:
+        socks = []
+        for _ in range(2):
+            conn.request("GET", "/health")  # raises RemoteDisconnected if the server closed it
+            resp = conn.getresponse()
+            assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
+            socks.append(conn.sock)
+            time.sleep(6)
+        assert socks[0] is socks[1]  # the same connection, not a new one
+    finally:
+        conn.close()
+        srv.stop()
 
 
 def test_engine_env_bounds_the_openmp_spin_unless_set():
