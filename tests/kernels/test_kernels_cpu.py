@@ -131,6 +131,21 @@ def test_quantized_cache_matches_twin(draw, fmt, path, monkeypatch):
     _compare(native, twin, dtype)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_quantized_decode_tiles_match_twin(fmt, block_size, gen, path):
+    """bf16 decode over int8 / fp8 caches: K tiles converted in registers, int8 scales read 16
+    at a time when a tile's keys fill one block (block size 16 / 32 and contexts that end
+    mid-block) and key by key when a tile spans blocks (block size 8)."""
+    b = make_batch(gen, [(37, 1), (160, 1), (15, 1), (250, 1)], block_size=block_size,
+                   num_q_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)  # fmt: skip
+    cache = _quantized(b, fmt)
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, block_size)
+    native = kk.paged_attention(b.query, cache, meta, scale=0.125, backend="cpu")
+    twin = kk.paged_attention(b.query, cache, meta, scale=0.125, backend="torch")
+    _compare(native, twin, torch.bfloat16)
+
+
 @pytest.mark.parametrize("fuse_heads", [False, True])
 @pytest.mark.parametrize("mode", ["single", "omp", "rayon"])
 def test_thread_modes_and_splits_agree(mode, fuse_heads, monkeypatch, gen):

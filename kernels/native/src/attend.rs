@@ -29,6 +29,10 @@
 //! the prefix's K/V rows are read once for all of them, and each request's partial is merged
 //! with that of its own keys (FlashInfer's cascade attention). Scratch is per thread, grown,
 //! never freed.
+//!
+//! Loops over SIMD values are plain loops, never closures (`array::from_fn`): a closure is not
+//! compiled with the caller's target features, so the intrinsics in it become calls (an fp8
+//! decode tile built that way ran ~4x slower).
 
 use crate::simd::{self, Simd, W};
 
@@ -358,12 +362,12 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let (zero, rest) = rest.split_at_mut(d);
     zero.fill(0.0);
     // bf16 queries dot bf16 K rows without widening (AVX-512 BF16): bf16 caches in place,
-    // int8 / fp8 tiles after an exact conversion to bf16 (`kb`).
+    // int8 / fp8 tiles after an exact conversion to bf16 (in registers; `kb` on the `cols` path).
     let dpbf16 = S::DPBF16 && d % 32 == 0 && (F == 1 || (F >= 3 && c.dt == Dt::Bf16));
     let (qb_f, rest) = rest.split_at_mut(rows * d / 2);
     let qb = qb_f.as_mut_ptr() as *mut u16; // [rows, d] bf16 query rows (dpbf16 only)
     let (kb_f, rest) = rest.split_at_mut(W * d / 2);
-    let kb = kb_f.as_mut_ptr() as *mut u16; // [W, d] a converted K tile (dpbf16, F >= 3)
+    let kb = kb_f.as_mut_ptr() as *mut u16; // [W, d] the K tile as bf16 rows (`cols` path)
     let (vp_f, rest) = rest.split_at_mut(W * d / 2);
     let vp = vp_f.as_mut_ptr() as *mut u32; // [W / 2, d] V tile as key pairs (dpbf16 prefill)
 
@@ -431,8 +435,10 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     );
                 }
                 for c2 in (0..dp).step_by(W) {
-                    let mut tile: [S; W] =
-                        std::array::from_fn(|lane| S::load((rows[lane] as *const f32).add(c2)));
+                    let mut tile = [S::splat(0.0); W];
+                    for (t, &row) in tile.iter_mut().zip(rows.iter()) {
+                        *t = S::load((row as *const f32).add(c2));
+                    }
                     S::transpose(&mut tile);
                     for (i, v) in tile.iter().enumerate() {
                         v.store(dst.add((c2 + i) * W) as *mut f32);
@@ -526,8 +532,15 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             }
             S::load(a.as_ptr())
         };
+        // Every key of the tile real and in one block: its int8 scales are 16 adjacent halves.
+        let one_block = tile_mask == u16::MAX && tok[W - 1] == tok[0] + W - 1;
         for hh in h0..h1 {
             let head = c.kv.add(hh * c.stride_head);
+            if int8 && one_block {
+                let s = head.add(base[0] + c.scale_offset) as *const u16;
+                S::load_f16(s.add(tok[0])).store(kscale.as_mut_ptr());
+                S::load_f16(s.add(c.block_size + tok[0])).store(vscale.as_mut_ptr());
+            }
             for j in 0..W {
                 let real = tile_mask >> j & 1 != 0;
                 kptr[j] = if real {
@@ -540,7 +553,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 } else {
                     zero_row
                 };
-                if int8 {
+                if int8 && !one_block {
                     let (mut ks, mut vs) = (0.0, 0.0);
                     if real {
                         let s = head.add(base[j] + c.scale_offset) as *const u16;
@@ -619,26 +632,21 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             let (qh, acch) = (q.as_ptr().add(hq0 * d), acc.as_mut_ptr().add(hq0 * d));
             // Scores of the visible rows.
             if dpbf16 {
-                let mut krows = kptr;
-                if F >= 3 {
-                    for (j, kr) in krows.iter_mut().enumerate() {
-                        let dst = kb.add(j * d);
-                        let mut cc = 0;
-                        while cc < d {
-                            let lo = load_row::<S, F>(kptr[j], cc);
-                            S::store_bf16x2(lo, load_row::<S, F>(kptr[j], cc + W), dst.add(cc));
-                            cc += 2 * W;
-                        }
-                        *kr = dst as *const u8;
-                    }
-                }
                 let qs = S::splat(c.scale * kscale_of(hh));
                 // K tile as dimension pairs (a 16 x 16 dword transpose per 32 dimensions):
-                // kp[dp][j] = (K[j][2 dp], K[j][2 dp + 1]), then broadcast dot products.
+                // kp[dp][j] = (K[j][2 dp], K[j][2 dp + 1]), then broadcast dot products. An
+                // int8 / fp8 row is converted to bf16 in registers on the way in.
                 let kp = kt.as_mut_ptr() as *mut u32; // kt is free on this path
                 for c2 in 0..d / (2 * W) {
-                    let mut tile: [S; W] =
-                        std::array::from_fn(|j| S::load((krows[j] as *const f32).add(c2 * W)));
+                    let mut tile = [S::splat(0.0); W];
+                    for (t, &kr) in tile.iter_mut().zip(kptr.iter()) {
+                        *t = if F >= 3 {
+                            let lo = load_row::<S, F>(kr, 2 * W * c2);
+                            S::bf16x2(lo, load_row::<S, F>(kr, 2 * W * c2 + W))
+                        } else {
+                            S::load((kr as *const f32).add(c2 * W))
+                        };
+                    }
                     S::transpose(&mut tile);
                     for (i, v) in tile.iter().enumerate() {
                         v.store(kp.add((c2 * W + i) * W) as *mut f32);
@@ -659,8 +667,10 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             } else {
                 // K tile, transposed: kt[dd * W + j] = K[j][dd]
                 for cc in 0..nc {
-                    let mut tile: [S; W] =
-                        std::array::from_fn(|j| load_row::<S, F>(kptr[j], cc * W));
+                    let mut tile = [S::splat(0.0); W];
+                    for (t, &kr) in tile.iter_mut().zip(kptr.iter()) {
+                        *t = load_row::<S, F>(kr, cc * W);
+                    }
                     S::transpose(&mut tile);
                     for (i, v) in tile.iter().enumerate() {
                         v.store(kt.as_mut_ptr().add((cc * W + i) * W));
@@ -798,8 +808,10 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 let r0 = (hh - h0) * hrows + b * W;
                 let n = W.min(hrows - b * W);
                 for cc in (0..d).step_by(W) {
-                    let mut tile: [S; W] =
-                        std::array::from_fn(|i| S::load(acc_t.as_ptr().add(at * d + (cc + i) * W)));
+                    let mut tile = [S::splat(0.0); W];
+                    for (i, t) in tile.iter_mut().enumerate() {
+                        *t = S::load(acc_t.as_ptr().add(at * d + (cc + i) * W));
+                    }
                     S::transpose(&mut tile);
                     for (lane, v) in tile.iter().enumerate().take(n) {
                         v.store(acc.as_mut_ptr().add((r0 + lane) * d + cc));

@@ -45,6 +45,11 @@ pub trait Simd: Copy {
     unsafe fn store_bf16x2(_lo: Self, _hi: Self, _p: *mut u16) {
         unreachable!("store_bf16x2 needs AVX-512 BF16")
     }
+    /// `lo` then `hi` as 32 bf16 in one register (the bits `store_bf16x2` stores).
+    #[inline(always)]
+    unsafe fn bf16x2(_lo: Self, _hi: Self) -> Self {
+        unreachable!("bf16x2 needs AVX-512 BF16")
+    }
     /// Store the 16 lanes as 8 dwords of bf16 pairs (round to nearest even): dword `i` holds
     /// lanes `2i` (low half) and `2i + 1` (high half).
     #[inline(always)]
@@ -428,6 +433,12 @@ mod avx {
             _mm512_storeu_si512(p as *mut _, packed)
         }
         #[inline(always)]
+        unsafe fn bf16x2(lo: Self, hi: Self) -> Self {
+            Avx512(std::mem::transmute::<__m512bh, __m512>(
+                _mm512_cvtne2ps_pbh(hi.0, lo.0),
+            ))
+        }
+        #[inline(always)]
         unsafe fn store_bf16_pairs(self, p: *mut u32) {
             let packed: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(self.0));
             _mm256_storeu_si256(p as *mut _, packed)
@@ -619,17 +630,18 @@ mod avx {
         }
         #[inline(always)]
         unsafe fn load_e4m3(p: *const u8) -> Self {
-            let x = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
-            let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(x, _mm512_set1_epi32(0x80)));
-            let mag = _mm512_slli_epi32::<20>(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)));
-            let v = _mm512_mul_ps(
-                _mm512_castsi512_ps(mag),
-                _mm512_set1_ps(f32::from_bits(0x7b80_0000)),
+            // Sign-extended, the byte's sign lands in bit 31 and its exponent and mantissa in
+            // bits 20-26 after the shift (the mask clears the copies of the sign between): an
+            // fp32 with the e4m3 bits in place, scaled by 2^120 (exact, subnormals included).
+            let x = _mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i));
+            let bits = _mm512_and_si512(
+                _mm512_slli_epi32::<20>(x),
+                _mm512_set1_epi32(0x87f0_0000_u32 as i32),
             );
-            Avx512(_mm512_castsi512_ps(_mm512_or_si512(
-                _mm512_castps_si512(v),
-                sign,
-            )))
+            Avx512(_mm512_mul_ps(
+                _mm512_castsi512_ps(bits),
+                _mm512_set1_ps(f32::from_bits(0x7b80_0000)),
+            ))
         }
         #[inline(always)]
         unsafe fn load_e5m2(p: *const u8) -> Self {
