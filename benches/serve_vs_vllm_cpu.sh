@@ -12,7 +12,10 @@
 #     bash benches/serve_vs_vllm_cpu.sh
 # Env: KVCORE_PY (python with kvcore, default python), KVCORE_FLAGS (extra `kvcore serve` flags,
 # e.g. --engine-in-process), KVCORE_LABEL (default kvcore), N (prompts per rate, 48),
-# DATASETS ("random prefix"), PEER=0 / KVCORE=0 skip a side, OFFLINE=0 skips the ratio run. Every server: 2 threads,
+# DATASETS ("random prefix"), PEER=0 / KVCORE=0 skip a side, OFFLINE=0 skips the ratio run,
+# DETAILED=1 keeps per-request records (--save-detailed) and kvcore's step log
+# ($OUT/LABEL-seedS-steps.log; `python benches/tools/ttft_breakdown.py RESULT.json STEPS.log`
+# splits each TTFT into wait / step / delivery). Every server: 2 threads,
 # OMP_WAIT_POLICY=PASSIVE. Results: $OUT/LABEL-DATASET-seedS-rR.json (vLLM's result files) and
 # $OUT/summary.tsv (label, dataset, seed, rate, output tok/s, p50/p95/p99 TTFT, p50 TPOT,
 # goodput (requests/s with TTFT <= SLO_TTFT and TPOT <= SLO_TPOT ms: 1000 / 200), failed,
@@ -48,7 +51,7 @@ sweep() {  # label port seed server-pid
         --random-range-ratio 0.5 --random-output-len 64 --ignore-eos --temperature 0 \
         --num-prompts "$N" --request-rate "$R" --seed "$(($3 * 100 + k))" $EXTRA \
         --percentile-metrics ttft,tpot,itl --metric-percentiles 50,95,99 \
-        --goodput "ttft:$SLO_TTFT" "tpot:$SLO_TPOT" --save-result \
+        --goodput "ttft:$SLO_TTFT" "tpot:$SLO_TPOT" --save-result ${DETAILED:+--save-detailed} \
         --result-dir "$OUT" --result-filename "$F" > "$OUT/${F%.json}.txt" 2>&1 || true
       local fcpu kcpu; fcpu=$(echo "$(cpu "$4") - $f0" | bc); kcpu=$(echo "$(kids_cpu "$4") - $k0" | bc)
       "$KPY" - "$OUT/$F" "$1" "$DS" "$3" "$R" "$fcpu" "$kcpu" "$(cut -d' ' -f1 /proc/loadavg)" \
@@ -70,7 +73,8 @@ PY
 }
 
 run_kvcore() {  # seed
-  "$KPY" -m kvcore serve $KFLAGS --served-model-name smollm2 --port 8941 ${KVCORE_FLAGS:-} \
+  local steplog=""; [ -n "${DETAILED:-}" ] && steplog="$OUT/$LABEL-seed$1-steps.log"
+  KVCORE_STEP_LOG=$steplog "$KPY" -m kvcore serve $KFLAGS --served-model-name smollm2 --port 8941 ${KVCORE_FLAGS:-} \
     > "$OUT/$LABEL-seed$1-server.log" 2>&1 & local PID=$!
   if wait_up 8941; then
     sweep "$LABEL" 8941 "$1" "$PID"

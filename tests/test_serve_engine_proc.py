@@ -116,6 +116,48 @@ def test_an_idle_keep_alive_connection_outlives_clients_pools(model_dir):
         srv.stop()
 
 
+def test_step_log_accounts_for_each_requests_first_token(model_dir, tmp_path, monkeypatch):
+    """KVCORE_STEP_LOG: one line per engine step on the machine's one perf_counter clock, so
+    ttft_breakdown finds the step that ran each prompt (its tokens, one sequence) between the
+    client's send and its first byte."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "ttft_breakdown", Path(__file__).parents[1] / "benches" / "tools" / "ttft_breakdown.py"
+    )
+    tb = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ttft_breakdown", tb)  # dataclasses look themselves up
+    spec.loader.exec_module(tb)
+    log = tmp_path / "steps.log"
+    monkeypatch.setenv("KVCORE_STEP_LOG", str(log))
+    srv = _serve(model_dir).wait_ready()
+    records = {"start_times": [], "ttfts": [], "input_lens": []}
+    try:
+        for i in range(3):  # one at a time: each first token comes from the prompt's own step
+            prompt = _prompt(20 + i)
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            t0, ttft = time.perf_counter(), None
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and ttft is None:
+                        ttft = time.perf_counter() - t0
+            records["start_times"].append(t0)
+            records["ttfts"].append(ttft)
+            records["input_lens"].append(len(prompt))
+    finally:
+        srv.stop()
+    steps = tb.read_steps(str(log))
+    assert len(steps) >= 3 * 3  # a prefill and two decode steps per request
+    assert all(s.seconds > 0 and s.tokens >= 1 and s.seqs >= 1 for s in steps)
+    rows = tb.breakdown(records, steps)
+    assert [(r.step.tokens, r.step.seqs) for r in rows] == [(n, 1) for n in records["input_lens"]]
+    assert all(r.wait >= 0 and r.deliver >= 0 and not r.shared for r in rows)
+    assert "requests: 3" in tb.report(rows, top=3)
+
+
 def test_engine_env_bounds_the_openmp_spin_unless_set():
     from kvcore.engine.core_client import ENGINE_SPIN_COUNT, engine_env
 

@@ -22,6 +22,11 @@ the tier figures, ~1 ms) run in the loop between steps: a side thread would wait
 engine's state lock, which a busy step loop re-takes before a waiter wakes (seen: a view
 starved for over 10 s under five streams on 2 cores). Blocking ones (``wait_published``) run
 in a side thread.
+
+``KVCORE_STEP_LOG=PATH`` appends one line per step to PATH: the step's start
+(``time.perf_counter``, the clock of every process on the machine), its seconds, the tokens and
+the sequences it ran. ``benches/tools/ttft_breakdown.py`` lines them up with a load generator's
+per-request records.
 """
 
 from __future__ import annotations
@@ -86,6 +91,8 @@ class EngineCoreProc:
         self._results: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._calls_pending = 0
         self._parent = os.getppid()
+        path = os.environ.get("KVCORE_STEP_LOG")
+        self._step_log = open(path, "a", buffering=1) if path else None  # noqa: SIM115
         self._utility = {
             "wait_published": self._wait_published,
             "tier_figures": self._figures,
@@ -158,6 +165,7 @@ class EngineCoreProc:
         return msg.shutdown
 
     def _step(self, out: EngineOutputs) -> None:
+        t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail its requests, keep serving
@@ -165,6 +173,9 @@ class EngineCoreProc:
             self._abort_all(out, f"engine step failed: {type(e).__name__}: {e}")
             return
         out.time = time.perf_counter()
+        if self._step_log is not None:
+            st = self.engine.stats
+            self._step_log.write(f"{t0:.6f} {out.time - t0:.6f} {st.last_tokens} {st.last_seqs}\n")
         self._deliver(outputs, out)
 
     def _deliver(self, outputs: list[Any], out: EngineOutputs) -> None:

@@ -36,6 +36,8 @@ class EngineStats:
     busy_step_seconds: float = 0.0  # steps with >= 64 running sequences
     busy_forward_seconds: float = 0.0
     last: dict[str, Any] = field(default_factory=dict)  # the scheduler's latest stats
+    last_tokens: int = 0  # tokens in the latest plan (prefill chunks + one per decode)
+    last_seqs: int = 0  # sequences in the latest plan
 
     def reset(self) -> None:
         """Zero the counters (e.g. after a warm-up)."""
@@ -45,6 +47,7 @@ class EngineStats:
         """Called after each schedule(): track KV usage and waste."""
         st = scheduler.stats()
         self.last = {k: getattr(st, k) for k in _STAT_FIELDS}
+        self.last_tokens, self.last_seqs = len(plan.input_ids), len(plan.seq_lens)
         usage = float(st.kv_usage)
         self.peak_kv_usage = max(self.peak_kv_usage, usage)
         self.peak_running = max(self.peak_running, int(st.num_running))
