@@ -88,7 +88,9 @@ def _fail_once(monkeypatch, obj, name, exc):
 
 
 @pytest.mark.parametrize(
-    "where", ["forward", "sampler", "after_update"], ids=["forward", "sampler", "after-update"]
+    "where",
+    ["after_schedule", "forward", "sampler", "after_update"],
+    ids=["after-schedule", "forward", "sampler", "after-update"],
 )
 @pytest.mark.parametrize(
     "exc", [RuntimeError("boom"), KeyboardInterrupt()], ids=["error", "ctrl-c"]
@@ -100,7 +102,9 @@ def test_failed_step_aborts_its_requests_and_the_engine_keeps_serving(
     engine = llm.engine
     prompts = _prompts([5, 9, 14])
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(6), use_tqdm=False)]
-    if where == "forward":
+    if where == "after_schedule":  # the step's bookkeeping, before the forward
+        _fail_once(monkeypatch, engine.stats, "observe_plan", exc)
+    elif where == "forward":
         _fail_once(monkeypatch, engine.runner, "execute", exc)
     elif where == "sampler":
         _fail_once(monkeypatch, engine.sampler, "sample", exc)

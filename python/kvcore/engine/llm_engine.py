@@ -299,9 +299,9 @@ class LLMEngine:
         """Run one step; returns outputs of finished requests and of streaming ones that grew.
 
         Steps run one at a time (a second thread calling ``step`` waits for the first). If the
-        step fails (an exception in the forward or sampling, Ctrl-C), the requests it had
-        scheduled are aborted with ``RequestOutput.error`` set, every block comes back, and the
-        error is raised (``StepFailedError``; ``KeyboardInterrupt`` as it is): the engine goes
+        step fails (an exception in the forward, in sampling or in the bookkeeping after
+        ``schedule()``; Ctrl-C), the requests it had scheduled are aborted with
+        ``RequestOutput.error`` set, every block comes back, and the error is raised (``StepFailedError``; ``KeyboardInterrupt`` as it is): the engine goes
         on serving the other requests. ``owner_ids``: the caller's own request ids; then a
         failure aborts only those, and the step's other requests run again in the next step
         (once more for an error, always for an interrupt) with unchanged outputs."""
@@ -311,6 +311,7 @@ class LLMEngine:
     def _step(self, owner_ids: Sequence[str] | None = None) -> list[RequestOutput]:
         start = time.perf_counter()
         forward_before = self.runner.forward_seconds
+        failed: BaseException | None = None
         with self._lock:
             self._drain_deferred_aborts()
             plan = self._replay
@@ -321,15 +322,24 @@ class LLMEngine:
                 if self.tiers is not None:  # fetched blocks into L2 before admission looks
                     self.tiers.before_schedule(self.scheduler, self.runner.forward_seconds)
                 plan = self.scheduler.schedule()
-                self.stats.observe_plan(plan, self.scheduler)
-                if len(plan.input_ids) and self._unscheduled:
-                    self._stamp_new(plan, start)
-                if len(plan.input_ids) == 0:
-                    if self.tiers is not None:
-                        self.tiers.apply(plan)  # moves and fetches of a step with no forward
-                    self.scheduler.update(plan.step_id, np.zeros(0, np.int64))
-                    plan = None
-            mass = None if plan is None else self.h2o.mass_tensor(plan, self.runner.device)
+            # From schedule() on, a failure must close the step (below), or every later
+            # schedule() would be refused while this one stays outstanding.
+            try:
+                if plan is not self._replay:
+                    self.stats.observe_plan(plan, self.scheduler)
+                    if len(plan.input_ids) and self._unscheduled:
+                        self._stamp_new(plan, start)
+                    if len(plan.input_ids) == 0:
+                        if self.tiers is not None:
+                            self.tiers.apply(plan)  # moves and fetches of a step with no forward
+                        self.scheduler.update(plan.step_id, np.zeros(0, np.int64))
+                        plan = None
+                mass = None if plan is None else self.h2o.mass_tensor(plan, self.runner.device)
+            except BaseException as exc:  # noqa: BLE001 - handled after the lock is released
+                failed = exc
+        if failed is not None:
+            self._fail_step(plan, failed, owner_ids)
+            raise failed
         if plan is None:  # nothing to run: wait (lock released) for a fetch to move
             if self.tiers is not None and self.tiers.num_fetching:
                 self.tiers.wait_fetch()
