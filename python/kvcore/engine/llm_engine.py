@@ -301,8 +301,9 @@ class LLMEngine:
         Steps run one at a time (a second thread calling ``step`` waits for the first). If the
         step fails (an exception in the forward, in sampling or in the bookkeeping after
         ``schedule()``; Ctrl-C), the requests it had scheduled are aborted with
-        ``RequestOutput.error`` set, every block comes back, and the error is raised (``StepFailedError``; ``KeyboardInterrupt`` as it is): the engine goes
-        on serving the other requests. ``owner_ids``: the caller's own request ids; then a
+        ``RequestOutput.error`` set, every block comes back, and the error is raised
+        (``StepFailedError``; ``KeyboardInterrupt`` as it is): the engine goes on serving the
+        other requests. ``owner_ids``: the caller's own request ids; then a
         failure aborts only those, and the step's other requests run again in the next step
         (once more for an error, always for an interrupt) with unchanged outputs."""
         with self._step_lock:
