@@ -14,7 +14,14 @@ import torch.nn.functional as F
 from hf_reference import hf_greedy
 from kvcore import InvalidArgumentError
 from kvcore.entrypoints.llm import LLM
-from kvcore.models.layers.linear import Linear, MergedLinear, can_prepack, prepack_linears
+from kvcore.models.layers import linear as linear_mod
+from kvcore.models.layers.linear import (
+    Linear,
+    MergedLinear,
+    can_pack_small,
+    can_prepack,
+    prepack_linears,
+)
 from kvcore.models.loader import auto_dtype, tiny_llama
 from kvcore.models.native import native_model
 from kvcore.models.tiny import tiny_window_model
@@ -99,6 +106,7 @@ def test_weights_are_shared_not_copied():
 
 @pytest.mark.skipif(not can_prepack(), reason="this torch has no oneDNN packed linear")
 def test_prepacked_bf16_linears_give_the_same_bits(monkeypatch):
+    monkeypatch.setenv("KVCORE_SMALL_LINEAR", "0")  # oneDNN's packed copy alone (next test: both)
     hf = _hf("tiny-gemma3", dtype=torch.bfloat16)
     native, _ = native_model(hf)
     ids = torch.randint(3, 256, (13,), generator=torch.Generator().manual_seed(2))
@@ -126,6 +134,41 @@ def test_prepacked_bf16_linears_give_the_same_bits(monkeypatch):
     monkeypatch.setenv("KVCORE_PREPACK", "0")
     assert not can_prepack() and prepack_linears(native) == 0
     assert all(m.packed is not None for m in mods)  # it packs nothing new, undoes nothing
+
+
+def _linear_calls(native, ids, rows):
+    """oneDNN packed-linear calls and native small-batch calls of one forward over ``rows``."""
+    keep = torch.arange(rows)
+    with torch.profiler.profile() as prof:
+        out = native(ids[:rows], torch.arange(rows), keep, DenseStep())
+    count = {e.key: e.count for e in prof.key_averages()}
+    return out, count.get("mkldnn::_linear_pointwise", 0)
+
+
+@pytest.mark.skipif(not can_pack_small(), reason="no AVX-512 BF16: the small-batch kernel is off")
+def test_small_batches_take_the_native_linear_and_large_ones_onednn(monkeypatch):
+    hf = _hf("tiny-qwen2", dtype=torch.bfloat16)  # q/k/v carry a bias
+    native, _ = native_model(hf)
+    ids = torch.randint(3, 256, (13,), generator=torch.Generator().manual_seed(4))
+    mods = [m for m in native.modules() if isinstance(m, (Linear, MergedLinear))]
+    with torch.no_grad():
+        plain = native(ids, torch.arange(13), torch.arange(13), DenseStep()).float()
+        n = prepack_linears(native)
+        assert all(m.small is not None for m in mods)
+        dnn = sum(m.weight.numel() * 2 for m in mods) if can_prepack() else 0
+        assert n == dnn + sum(m.small.nbytes for m in mods)
+        small, onednn_calls = _linear_calls(native, ids, 13)
+        assert onednn_calls == 0  # every projection of a 13-row step: the native kernel
+        # bf16 logits: the same up to the last bits of each GEMM (another order of the sum)
+        err = (small.float() - plain).abs().max() / plain.abs().max()
+        assert 0 < err < 0.05 or torch.equal(small.float(), plain)
+        assert (small.float().argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
+        if can_prepack():  # above SMALL_ROWS the oneDNN copy runs: the old bits exactly
+            monkeypatch.setattr(linear_mod, "SMALL_ROWS", 4)
+            big, onednn_calls = _linear_calls(native, ids, 13)
+            assert onednn_calls == len(mods) and torch.equal(big.float(), plain)
+    monkeypatch.setenv("KVCORE_SMALL_LINEAR", "0")
+    assert not can_pack_small()
 
 
 @pytest.mark.skipif(not can_prepack(), reason="this torch has no oneDNN packed linear")

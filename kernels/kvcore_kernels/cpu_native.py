@@ -354,3 +354,22 @@ def elementwise(
         op, rows, dim, x, x_stride, y, y_stride, w, out, out_stride, float(eps), heads,
         head_stride, torch.get_num_threads(), MODES[OPTIONS.mode], OPTIONS.portable,
     )  # fmt: skip
+
+
+def linear_fast_path() -> bool:
+    """Whether the small-batch linear has its AVX-512 BF16 path here (False without the
+    extension)."""
+    return _native is not None and bool(_native.linear_fast_path())
+
+
+def linear(
+    x: int, x_stride: int, rows: int, k: int, w: int, n_out: int, bias: int, out: int,
+    out_stride: int,
+) -> None:  # fmt: skip
+    """A small-batch bf16 linear over addresses (``linear_cpu`` checked the tensors) on the
+    kernel's threads."""
+    _bind_openmp()
+    _native.linear(
+        x, x_stride, rows, k, w, n_out, bias, out, out_stride, torch.get_num_threads(),
+        MODES[OPTIONS.mode], OPTIONS.portable,
+    )  # fmt: skip

@@ -9,6 +9,7 @@
 //! * `pool`: torch's OpenMP team, a rayon pool or the calling thread.
 //! * `store`: a step's K/V rows written into their cache slots.
 //! * `ops`: row-wise bf16 element-wise ops of a forward (RMSNorm + residual, SiLU-and-mul, rotary).
+//! * `linear`: small-batch bf16 linear layers (a decode step's GEMMs) over a packed weight.
 
 // Index loops over fixed 16-lane arrays read clearer than iterator chains here; the unsafe
 // functions' contract (live memory of the stated shapes) is stated once, on `run`.
@@ -21,6 +22,7 @@
 
 pub mod attend;
 pub mod cols;
+pub mod linear;
 pub mod ops;
 pub mod pool;
 pub mod simd;
@@ -190,6 +192,24 @@ pub unsafe fn run_ops(
     let per = c.rows_per_task();
     pool::for_each(c.rows.div_ceil(per), threads, mode, &|t| unsafe {
         run_ops_rows(c, t * per, ((t + 1) * per).min(c.rows), portable)
+    })
+}
+
+/// A small-batch linear over all its panels, in tasks of `c.panels_per_task()` panels.
+///
+/// # Safety
+/// The pointers and strides of `c` must describe live memory of the stated shapes; `out` must
+/// not overlap `x`, the weight or the bias.
+pub unsafe fn run_linear(
+    c: &linear::Linear,
+    threads: usize,
+    mode: pool::Mode,
+    portable: bool,
+) -> Result<(), ()> {
+    let per = c.panels_per_task();
+    let panels = c.panels();
+    pool::for_each(panels.div_ceil(per), threads, mode, &|t| unsafe {
+        linear::run_panels(c, t * per, ((t + 1) * per).min(panels), portable)
     })
 }
 

@@ -1,5 +1,5 @@
 //! The Python binding: `paged_attention(...)` and `store_kv(...)` over addresses,
-//! `set_gomp_parallel`, `features`.
+//! `elementwise(...)`, `linear(...)`, `set_gomp_parallel`, `features`.
 
 use crate::attend::{Call, Dt, Fmt};
 use crate::pool::{self, Mode};
@@ -252,6 +252,53 @@ fn elementwise(
         .map_err(|_| PyRuntimeError::new_err("the native element-wise op panicked"))
 }
 
+/// Small-batch bf16 linear over a packed weight (`kvcore_kernels.linear_cpu`); releases the GIL.
+#[pyfunction]
+#[pyo3(signature = (x, x_stride, rows, k, w, n_out, bias, out, out_stride, threads, mode, portable))]
+#[allow(clippy::too_many_arguments)]
+fn linear(
+    py: Python<'_>,
+    x: usize,
+    x_stride: usize,
+    rows: usize,
+    k: usize,
+    w: usize,
+    n_out: usize,
+    bias: usize,
+    out: usize,
+    out_stride: usize,
+    threads: usize,
+    mode: u8,
+    portable: bool,
+) -> PyResult<()> {
+    if k == 0 || k % 2 != 0 || n_out == 0 || x_stride < k || out_stride < n_out {
+        return Err(PyValueError::new_err(format!(
+            "linear: k {k} must be even and > 0, n_out {n_out} > 0, strides {x_stride} >= k \
+             and {out_stride} >= n_out"
+        )));
+    }
+    let mode = mode_of(mode)?;
+    let c = crate::linear::Linear {
+        x: x as *const u16,
+        x_stride,
+        rows,
+        k,
+        w: w as *const u32,
+        n_out,
+        bias: bias as *const u16,
+        out: out as *mut u16,
+        out_stride,
+    };
+    py.detach(|| unsafe { crate::run_linear(&c, threads, mode, portable) })
+        .map_err(|_| PyRuntimeError::new_err("the native linear panicked"))
+}
+
+/// Whether the small-batch linear has its AVX-512 BF16 path on this CPU.
+#[pyfunction]
+fn linear_fast_path() -> bool {
+    crate::linear::has_fast_path()
+}
+
 /// Record libgomp's `GOMP_parallel` address (0: none) for thread mode 1.
 #[pyfunction]
 fn set_gomp_parallel(addr: usize) {
@@ -273,6 +320,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(store_kv, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise, m)?)?;
+    m.add_function(wrap_pyfunction!(linear, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_fast_path, m)?)?;
     m.add_function(wrap_pyfunction!(set_gomp_parallel, m)?)?;
     m.add_function(wrap_pyfunction!(features, m)?)?;
     Ok(())

@@ -178,14 +178,16 @@ class ModelRunner:
         self.use_op = self.compile or (cuda and fast)
         target = self.native if self.native is not None else model
         self.compiled = compile_model(target, compile_backend) if self.compile else None
-        # The eager CPU forward of kvcore's model code: bf16 weights re-laid once for oneDNN
-        # (kvcore.models.layers.linear); a compiled forward leaves the packing to inductor.
+        # The eager CPU forward of kvcore's model code: bf16 weights re-laid once for oneDNN and
+        # the native small-batch kernel (kvcore.models.layers.linear); a compiled forward leaves
+        # the packing to inductor.
         self.prepacked_bytes = 0
         if self.native is not None and self.device.type == "cpu" and not self.compile:
             self.prepacked_bytes = prepack_linears(self.native)
             if self.prepacked_bytes:
                 logger.info(
-                    "kvcore: bf16 linear weights prepacked for oneDNN (%.0f MiB)",
+                    "kvcore: bf16 linear weights prepacked for oneDNN and the small-batch "
+                    "kernel (%.0f MiB)",
                     self.prepacked_bytes / 2**20,
                 )
         self.compile_stats = CompileStats()

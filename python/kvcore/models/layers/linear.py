@@ -19,6 +19,17 @@ another path there, no faster packed, and 8-10 of the LM head's 49,152 logits wo
 differently (``benches/bench_linear_cpu.py`` times and counts both). The cost: one more copy of
 the weights in memory (the plain weight stays: transformers' modules share it). fp32 and fp16
 weights, CUDA, and a compiled forward (inductor packs its own) keep ``F.linear``.
+
+**Small batches: kvcore's own kernel** (``kvcore_kernels.linear_cpu``). A decode step's GEMMs
+have 1-128 rows and read every weight once, so they run at the speed the weights stream from
+memory; oneDNN reaches 8-28 GB/s there on a 2-core Zen 4 against the ~35 GB/s the cores can read.
+Where the CPU has AVX-512 BF16, ``prepack_linears`` also packs each bf16 weight into the native
+kernel's panels (one sequential stream per 32 output columns) and calls with up to
+``SMALL_ROWS`` rows take it: 1.1-1.4x oneDNN's time over SmolLM2's 30 layers and LM head at
+1-192 rows (``benches/bench_linear_cpu.py``). Its rows are independent of each other (a
+row's result does not depend on the batch it runs in); its bits may differ from oneDNN's in the
+last place (another order of the fp32 sum). A third copy of the weights (SmolLM2: 256 MiB more);
+``KVCORE_SMALL_LINEAR=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -27,14 +38,23 @@ import os
 
 import torch
 import torch.nn.functional as F
+from kvcore_kernels import linear_cpu
 from torch import nn
+
+# Rows up to which the native small-batch kernel runs (it measured faster than oneDNN up to 192
+# rows with the weights streaming from memory; above that oneDNN's blocking wins).
+SMALL_ROWS = 128
 
 
 def _linear(x: torch.Tensor, mod: MergedLinear | Linear) -> torch.Tensor:
     # is_compiling first: a traced forward never looks at the packed (mkldnn) tensor. One row
     # keeps F.linear: oneDNN takes another path for it, no faster packed, and not the same bits.
-    if not torch.compiler.is_compiling() and mod.packed is not None and x.numel() > x.shape[-1]:
-        return torch.ops.mkldnn._linear_pointwise(x, mod.packed, mod.bias, "none", [], "")
+    if not torch.compiler.is_compiling():
+        rows = x.shape[0]
+        if mod.small is not None and rows <= SMALL_ROWS and x.dim() == 2:
+            return linear_cpu.linear(x, mod.small, mod.bias)
+        if mod.packed is not None and x.numel() > x.shape[-1]:
+            return torch.ops.mkldnn._linear_pointwise(x, mod.packed, mod.bias, "none", [], "")
     return F.linear(x, mod.weight, mod.bias)
 
 
@@ -50,11 +70,23 @@ def can_prepack() -> bool:
     )
 
 
+def can_pack_small() -> bool:
+    """Whether the native small-batch linear runs here (AVX-512 BF16; ``KVCORE_SMALL_LINEAR=0``
+    turns it off)."""
+    if os.environ.get("KVCORE_SMALL_LINEAR", "1") in ("0", ""):
+        return False
+    return linear_cpu.fast_path()
+
+
 def prepack_linears(model: nn.Module) -> int:
     """Pack the weight of every ``Linear`` / ``MergedLinear`` of ``model`` that is bf16 on the
-    CPU for oneDNN (see the module docstring); returns the bytes packed (0 when none or when
-    ``can_prepack()`` is false). Packing again re-packs (after a weight changed)."""
-    if not can_prepack():
+    CPU for oneDNN and, where ``can_pack_small()``, for the native small-batch kernel (see the
+    module docstring); returns the bytes packed (0 when none or when both are off). Packing
+    again re-packs (after a weight changed). ``KVCORE_PREPACK=0`` turns both off."""
+    if os.environ.get("KVCORE_PREPACK", "1") in ("0", ""):
+        return 0
+    dnn, small = can_prepack(), can_pack_small()
+    if not (dnn or small):
         return 0
     total = 0
     for mod in model.modules():
@@ -62,10 +94,14 @@ def prepack_linears(model: nn.Module) -> int:
             continue
         w = mod.weight
         if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2:
-            mod.packed = None
+            mod.packed = mod.small = None
             continue
-        mod.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
-        total += w.numel() * w.element_size()
+        if dnn:
+            mod.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
+            total += w.numel() * w.element_size()
+        if small and w.shape[1] % 2 == 0 and (mod.bias is None or mod.bias.dtype == w.dtype):
+            mod.small = linear_cpu.pack_linear(w.detach())
+            total += mod.small.nbytes
     return total
 
 
@@ -80,6 +116,7 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # prepack_linears: oneDNN's copy of weight
+        self.small: linear_cpu.PackedLinear | None = None  # ... and the native kernel's
 
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Copy checkpoint tensor ``tensor`` (``name``: weight or bias) into shard ``shard``'s
@@ -104,6 +141,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # prepack_linears: oneDNN's copy of weight
+        self.small: linear_cpu.PackedLinear | None = None  # ... and the native kernel's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self)

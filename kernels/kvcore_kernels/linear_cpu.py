@@ -1,0 +1,103 @@
+"""Small-batch bf16 linear layers on the CPU: a decode step's GEMMs, over a weight packed once.
+
+A decode step multiplies a few rows by every weight of the model once, so its GEMMs run at the
+speed the weights stream from memory. oneDNN's bf16 GEMM, tuned for many rows, reaches a
+fraction of that at 1-16 rows (SmolLM2 on a 2-core Zen 4: 9-19 GB/s of weight against ~35 GB/s
+the cores can read). The native kernel (``kernels/native/src/linear.rs``) reads a weight packed
+into panels of 32 output columns, each one sequential stream of bf16 pairs, and does one AVX-512
+BF16 dot product per 64 bytes loaded and row::
+
+    packed = pack_linear(weight)          # [N, K] bf16 -> PackedLinear (once, at load time)
+    y = linear(x, packed, bias)           # x [M, K] bf16 (unit-stride rows) -> [M, N] bf16
+
+Results are fp32 sums of bf16 products rounded once to bf16, as oneDNN's; the order of the sum
+differs, so a value may differ from ``F.linear``'s in its last bit. ``linear_torch`` is the
+reference (``F.linear`` on the unpacked weight). ``fast_path()`` says whether this CPU has the
+AVX-512 BF16 path; without it ``linear`` still runs (a portable loop, for tests) but callers
+should keep their own GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcore_kernels import cpu_native
+from kvcore_kernels.errors import KernelConfigError
+
+NB = 32  # output columns per panel (linear.rs)
+
+
+@dataclass(eq=False)
+class PackedLinear:
+    """A ``[n_out, k]`` bf16 weight in the kernel's panels (``int32 [panels, k / 2, 32]``)."""
+
+    data: torch.Tensor
+    n_out: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def fast_path() -> bool:
+    """Whether the native kernel has its AVX-512 BF16 path on this CPU."""
+    return cpu_native.linear_fast_path()
+
+
+def pack_linear(weight: torch.Tensor) -> PackedLinear:
+    """Pack a 2-D bf16 CPU weight ``[n_out, k]`` (``k`` even) for ``linear``; a new tensor."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        raise KernelConfigError(
+            f"pack_linear takes a 2-D bf16 CPU weight, got {tuple(weight.shape)} "
+            f"{weight.dtype} on {weight.device}"
+        )
+    n, k = weight.shape
+    if n == 0 or k == 0 or k % 2:
+        raise KernelConfigError(f"pack_linear needs n_out > 0 and an even k > 0, got {n} x {k}")
+    panels = -(-n // NB)
+    padded = torch.zeros(panels * NB, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    # [panels, 32 columns, k/2 pairs, 2] -> [panels, k/2, 32, 2]: a dword per (column, pair)
+    data = padded.view(panels, NB, k // 2, 2).transpose(1, 2).contiguous()
+    return PackedLinear(data.view(torch.int32).view(panels, k // 2, NB), n, k)
+
+
+def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The reference: ``F.linear``."""
+    return F.linear(x, weight, bias)
+
+
+def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for bf16 ``x [M, k]`` (unit-stride rows) on the packed weight;
+    a new ``[M, n_out]`` bf16 tensor. Raises ``KernelConfigError`` for anything else."""
+    if not cpu_native.available():
+        raise KernelConfigError("the native linear needs the kvcore_kernels extension")
+    if (
+        x.dim() != 2
+        or x.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or x.shape[1] != packed.k
+        or (x.shape[0] > 1 and x.stride(1) != 1)
+    ):
+        raise KernelConfigError(
+            f"linear takes bf16 CPU x [M, {packed.k}] with unit-stride rows, got "
+            f"{tuple(x.shape)} {x.dtype} on {x.device}"
+        )
+    if bias is not None and (
+        bias.shape != (packed.n_out,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()
+    ):
+        raise KernelConfigError(f"bias must be contiguous bf16 [{packed.n_out}]")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], packed.n_out, dtype=torch.bfloat16)
+    if x.shape[0] == 0:
+        return out
+    cpu_native.linear(
+        x.data_ptr(), x.stride(0), x.shape[0], packed.k, packed.data.data_ptr(), packed.n_out,
+        0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+    )  # fmt: skip
+    return out

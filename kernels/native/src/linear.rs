@@ -1,0 +1,325 @@
+//! Small-batch bf16 linear `y = x W^T (+ b)`: the GEMMs of a decode step, which read every
+//! weight once for a few rows and so run at the speed weights stream from memory.
+//!
+//! The weight is packed once (`kvcore_kernels/linear_cpu.py`) into panels of `NB` = 32 output
+//! columns; a panel holds `K / 2` rows of 32 dwords, dword `j` of row `kp` being the bf16 pair
+//! `(W[n0 + j][2 kp], W[n0 + j][2 kp + 1])` (the low half is the even `k`):
+//!
+//! ```text
+//! panel p (columns 32p .. 32p + 31):  kp = 0: [W[n][0..2] for n in 32p..32p+32]   128 bytes
+//!                                     kp = 1: [W[n][2..4] ...]                     128 bytes
+//!                                     ...  K / 2 rows, one sequential stream
+//! ```
+//!
+//! so a panel is one sequential stream and each 64-byte load is 16 columns x 2 inputs: one AVX-512
+//! BF16 dot product (`vdpbf16ps`) per load and row of `x`, the row's pair broadcast. Columns past
+//! `N` (the last panel's padding) are zero and never stored. Rows run in chunks of up to `MR` = 8
+//! (16 fp32 accumulators); a panel's later chunks read it again from L1/L2, not memory.
+//!
+//! Invariants: `K` is even; `x` rows hold `K` bf16 (unit stride), `out` rows `N` bf16. Results
+//! are fp32 sums of bf16 products rounded once to bf16 (round to nearest even), like oneDNN's;
+//! the summation order differs from it, so bits may differ in the last place. Tasks are runs of
+//! panels claimed dynamically on the pool; nothing is allocated per call. Cost: `K * N * 2`
+//! bytes of weight read once per call, `M * N * K / 16` dot-product instructions.
+
+use crate::simd::{bf16_to_f32, f32_to_bf16};
+
+/// Output columns per panel.
+pub const NB: usize = 32;
+/// Rows of `x` per accumulator chunk, one panel at a time (16 accumulators).
+pub const MR: usize = 8;
+/// Rows per chunk, two panels at a time (24 accumulators).
+pub const MR2: usize = 6;
+/// Bytes of weight a task streams (about): small enough to balance two threads on a 576-wide
+/// projection, large enough that a task is not dominated by its start.
+pub const TASK_BYTES: usize = 96 * 1024;
+
+/// One call: `out[m][n] = sum_k x[m][k] * W[n][k] (+ bias[n])` for `m < rows`, `n < n_out`.
+pub struct Linear {
+    pub x: *const u16,
+    pub x_stride: usize,
+    pub rows: usize,
+    pub k: usize,
+    /// The packed weight: `n_out.div_ceil(NB)` panels of `k / 2 * NB` dwords.
+    pub w: *const u32,
+    pub n_out: usize,
+    /// bf16 `[n_out]` or null.
+    pub bias: *const u16,
+    pub out: *mut u16,
+    pub out_stride: usize,
+}
+
+unsafe impl Send for Linear {}
+unsafe impl Sync for Linear {}
+
+impl Linear {
+    pub fn panels(&self) -> usize {
+        self.n_out.div_ceil(NB)
+    }
+
+    /// Panels per task.
+    pub fn panels_per_task(&self) -> usize {
+        (TASK_BYTES / (self.k * NB * 2).max(1)).max(1)
+    }
+}
+
+/// Panels `lo .. hi`, portable: the same packed layout, fp32 products summed pair by pair.
+pub unsafe fn run_panels_portable(c: &Linear, lo: usize, hi: usize) {
+    let kp_n = c.k / 2;
+    for p in lo..hi {
+        let panel = c.w.add(p * kp_n * NB);
+        let cols = NB.min(c.n_out - p * NB);
+        for m in 0..c.rows {
+            let x = c.x.add(m * c.x_stride);
+            let mut acc = [0f32; NB];
+            for kp in 0..kp_n {
+                let (x0, x1) = (bf16_to_f32(*x.add(2 * kp)), bf16_to_f32(*x.add(2 * kp + 1)));
+                let row = panel.add(kp * NB);
+                for j in 0..NB {
+                    let pair = *row.add(j);
+                    let (w0, w1) = (bf16_to_f32(pair as u16), bf16_to_f32((pair >> 16) as u16));
+                    acc[j] += x0 * w0 + x1 * w1;
+                }
+            }
+            let out = c.out.add(m * c.out_stride + p * NB);
+            for j in 0..cols {
+                let b = if c.bias.is_null() {
+                    0.0
+                } else {
+                    bf16_to_f32(*c.bias.add(p * NB + j))
+                };
+                *out.add(j) = f32_to_bf16(acc[j] + b);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    use super::{Linear, MR, MR2, NB};
+    use std::arch::x86_64::*;
+
+    /// Prefetch distance in bytes ahead of the panel row being read (first chunk only).
+    const PREFETCH: usize = 2048;
+
+    /// `R` rows starting at `m0` of `P` adjacent panels from `p` (`2 P` columns of 16 each).
+    #[inline(always)]
+    unsafe fn chunk<const R: usize, const P: usize>(c: &Linear, p: usize, m0: usize, pf: bool) {
+        let kp_n = c.k / 2;
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        let mut x = [std::ptr::null::<u16>(); R];
+        for r in 0..R {
+            x[r] = c.x.add((m0 + r) * c.x_stride);
+        }
+        let panel = c.w.add(p * kp_n * NB);
+        let stride = kp_n * NB; // dwords from one panel to the next
+        for kp in 0..kp_n {
+            let row = panel.add(kp * NB);
+            let mut w = [_mm512_setzero_si512(); 4];
+            for q in 0..P {
+                let rq = row.add(q * stride);
+                if pf {
+                    let ahead = (rq as *const i8).add(PREFETCH);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.add(64));
+                }
+                w[2 * q] = _mm512_loadu_si512(rq as *const _);
+                w[2 * q + 1] = _mm512_loadu_si512(rq.add(16) as *const _);
+            }
+            for r in 0..R {
+                let pair = (x[r].add(2 * kp) as *const i32).read_unaligned();
+                let xb: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                for v in 0..2 * P {
+                    let wv: __m512bh = std::mem::transmute(w[v]);
+                    acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, wv);
+                }
+            }
+        }
+        for q in 0..P {
+            let n0 = (p + q) * NB;
+            let cols = NB.min(c.n_out - n0);
+            let (mask0, mask1): (u16, u16) = if cols == NB {
+                (0xffff, 0xffff)
+            } else {
+                let m = (1u32 << cols) - 1;
+                (m as u16, (m >> 16) as u16)
+            };
+            let (b0, b1) = if c.bias.is_null() {
+                (_mm512_setzero_ps(), _mm512_setzero_ps())
+            } else {
+                let lo = _mm256_maskz_loadu_epi16(mask0, c.bias.add(n0) as *const _);
+                let hi = _mm256_maskz_loadu_epi16(mask1, c.bias.add(n0 + 16) as *const _);
+                (widen(lo), widen(hi))
+            };
+            for r in 0..R {
+                let out = c.out.add((m0 + r) * c.out_stride + n0);
+                let lo = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][2 * q], b0));
+                let hi = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][2 * q + 1], b1));
+                let (lo, hi) = (
+                    std::mem::transmute::<__m256bh, __m256i>(lo),
+                    std::mem::transmute::<__m256bh, __m256i>(hi),
+                );
+                _mm256_mask_storeu_epi16(out as *mut _, mask0, lo);
+                _mm256_mask_storeu_epi16(out.add(16) as *mut _, mask1, hi);
+            }
+        }
+    }
+
+    /// 16 bf16 -> 16 fp32 (exact).
+    #[inline(always)]
+    unsafe fn widen(h: __m256i) -> __m512 {
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+
+    /// Panels `lo .. hi`, all rows: one panel at a time for up to `MR` rows (the weight's
+    /// stream is the bound), two at a time in chunks of `MR2` rows above that (fewer loads
+    /// per dot product: the instructions are the bound).
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
+    pub unsafe fn run_panels(c: &Linear, lo: usize, hi: usize) {
+        let mut p = lo;
+        while p < hi {
+            let two = c.rows > MR && p + 1 < hi;
+            let mut m0 = 0;
+            while m0 < c.rows {
+                let pf = m0 == 0; // later chunks find the panel in L1/L2
+                if two {
+                    let r = MR2.min(c.rows - m0);
+                    match r {
+                        1 => chunk::<1, 2>(c, p, m0, pf),
+                        2 => chunk::<2, 2>(c, p, m0, pf),
+                        3 => chunk::<3, 2>(c, p, m0, pf),
+                        4 => chunk::<4, 2>(c, p, m0, pf),
+                        5 => chunk::<5, 2>(c, p, m0, pf),
+                        _ => chunk::<6, 2>(c, p, m0, pf),
+                    }
+                    m0 += r;
+                } else {
+                    let r = MR.min(c.rows - m0);
+                    match r {
+                        1 => chunk::<1, 1>(c, p, m0, pf),
+                        2 => chunk::<2, 1>(c, p, m0, pf),
+                        3 => chunk::<3, 1>(c, p, m0, pf),
+                        4 => chunk::<4, 1>(c, p, m0, pf),
+                        5 => chunk::<5, 1>(c, p, m0, pf),
+                        6 => chunk::<6, 1>(c, p, m0, pf),
+                        7 => chunk::<7, 1>(c, p, m0, pf),
+                        _ => chunk::<8, 1>(c, p, m0, pf),
+                    }
+                    m0 += r;
+                }
+            }
+            p += if two { 2 } else { 1 };
+        }
+    }
+}
+
+/// Whether this CPU runs the AVX-512 BF16 path (else the portable one, far slower: callers
+/// keep their own GEMM there).
+pub fn has_fast_path() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        crate::has_avx512() && std::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Panels `lo .. hi` on the fast path where the CPU has it, unless `portable`.
+pub unsafe fn run_panels(c: &Linear, lo: usize, hi: usize, portable: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if !portable && has_fast_path() {
+        return avx512::run_panels(c, lo, hi);
+    }
+    let _ = portable;
+    run_panels_portable(c, lo, hi)
+}
+
+/// Pack `w` (`[n_out, k]` bf16, row stride `w_stride`) into `out` (`n_out.div_ceil(NB) * k / 2
+/// * NB` dwords), the layout above; padding columns are zero.
+pub unsafe fn pack(w: *const u16, w_stride: usize, n_out: usize, k: usize, out: *mut u32) {
+    let kp_n = k / 2;
+    for p in 0..n_out.div_ceil(NB) {
+        for kp in 0..kp_n {
+            let row = out.add((p * kp_n + kp) * NB);
+            for j in 0..NB {
+                let n = p * NB + j;
+                *row.add(j) = if n < n_out {
+                    let src = w.add(n * w_stride + 2 * kp);
+                    (*src as u32) | ((*src.add(1) as u32) << 16)
+                } else {
+                    0
+                };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+    }
+
+    /// Both paths against an fp64 reference, every row count 1..=19 and a ragged last panel.
+    #[test]
+    fn packed_linear_matches_reference() {
+        let mut seed = 7u64;
+        for &(n, k) in &[(48usize, 64usize), (37, 30), (96, 576)] {
+            let w: Vec<u16> = (0..n * k).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
+            let bias: Vec<u16> = (0..n).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
+            let mut packed = vec![0u32; n.div_ceil(NB) * k / 2 * NB];
+            unsafe { pack(w.as_ptr(), k, n, k, packed.as_mut_ptr()) };
+            for rows in 1..=19 {
+                let x: Vec<u16> = (0..rows * k).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
+                for portable in [true, false] {
+                    for with_bias in [false, true] {
+                        let mut out = vec![0u16; rows * n + 1];
+                        out[rows * n] = 0xabcd; // guard: never written
+                        let c = Linear {
+                            x: x.as_ptr(),
+                            x_stride: k,
+                            rows,
+                            k,
+                            w: packed.as_ptr(),
+                            n_out: n,
+                            bias: if with_bias {
+                                bias.as_ptr()
+                            } else {
+                                std::ptr::null()
+                            },
+                            out: out.as_mut_ptr(),
+                            out_stride: n,
+                        };
+                        unsafe { run_panels(&c, 0, c.panels(), portable) };
+                        assert_eq!(out[rows * n], 0xabcd);
+                        for m in 0..rows {
+                            for j in 0..n {
+                                let mut r = 0f64;
+                                for i in 0..k {
+                                    r += bf16_to_f32(x[m * k + i]) as f64
+                                        * bf16_to_f32(w[j * k + i]) as f64;
+                                }
+                                if with_bias {
+                                    r += bf16_to_f32(bias[j]) as f64;
+                                }
+                                let got = bf16_to_f32(out[m * n + j]) as f64;
+                                let tol = 1e-2 * r.abs().max(0.05) + 1e-3;
+                                assert!(
+                                    (got - r).abs() <= tol,
+                                    "{n}x{k} rows {rows} {m},{j}: {got} vs {r}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,113 @@
+"""The native small-batch bf16 linear (``kvcore_kernels.linear_cpu``) against a float64
+reference: each output within one bf16 rounding of the exact sum (plus the fp32 sum's own error),
+on AVX-512 BF16 and the portable path, for hypothesis-drawn shapes (ragged last panel, bias or
+not, strided rows); each row's bits independent of the batch it runs in and of the thread mode;
+and what it refuses, with nothing written."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvcore_kernels import cpu_native, linear_cpu
+from kvcore_kernels.errors import KernelConfigError
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native extension not built")
+
+PATHS = pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+
+
+@contextlib.contextmanager
+def _options(**kw):
+    before = {k: getattr(cpu_native.OPTIONS, k) for k in kw}
+    for k, v in kw.items():
+        setattr(cpu_native.OPTIONS, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(cpu_native.OPTIONS, k, v)
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """Within one bf16 rounding (2^-8 relative) of the float64 result, plus the fp32 sum's
+    error bound (K * 2^-23 of the sum of magnitudes)."""
+    x64, w64 = x.double(), w.double()
+    want = x64 @ w64.T + (0 if b is None else b.double())
+    mag = x64.abs() @ w64.abs().T + (0 if b is None else b.double().abs())
+    tol = want.abs() * 2**-8 + mag * x.shape[1] * 2**-23 + 1e-30
+    diff = (got.double() - want).abs()
+    assert bool((diff <= tol).all()), f"max excess {float((diff - tol).max())}"
+
+
+@PATHS
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    n=st.integers(1, 130),
+    k=st.integers(1, 160).map(lambda v: 2 * v),
+    bias=st.booleans(),
+    pad=st.integers(0, 5),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_linear_matches_float64_reference(portable, rows, n, k, bias, pad, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k + pad, generator=gen).bfloat16()[:, :k]  # row stride k + pad
+    packed = linear_cpu.pack_linear(w)
+    with _options(portable=portable):
+        got = linear_cpu.linear(x, packed, b)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    _check(got, x, w, b)
+
+
+@pytest.mark.parametrize("mode", ["omp", "rayon", "single"])
+def test_rows_do_not_depend_on_the_batch_or_the_threads(gen, mode):
+    """A row's bits are those it gets alone (one decode request or 64), in every thread mode."""
+    w = torch.randn(200, 576, generator=gen).bfloat16()
+    x = torch.randn(70, 576, generator=gen).bfloat16()
+    packed = linear_cpu.pack_linear(w)
+    full = linear_cpu.linear(x, packed)
+    with _options(mode=mode):
+        for lo, hi in [(0, 1), (3, 4), (5, 12), (9, 70), (0, 70)]:
+            assert torch.equal(linear_cpu.linear(x[lo:hi], packed), full[lo:hi])
+    assert linear_cpu.linear(x[:0], packed).shape == (0, 200)
+
+
+def test_smollm2_shapes_against_f_linear(gen):
+    """SmolLM2's projections: the native result within one bf16 step of oneDNN's (``F.linear``),
+    most outputs bit for bit."""
+    for k, n in [(576, 960), (576, 576), (576, 3072), (1536, 576)]:
+        w = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+        x = torch.randn(48, k, generator=gen).bfloat16()
+        got, want = linear_cpu.linear(x, linear_cpu.pack_linear(w)), linear_cpu.linear_torch(x, w)
+        _check(got, x, w, None)
+        assert float((got == want).float().mean()) > 0.9
+
+
+def test_bad_input_is_refused_and_nothing_is_written(gen):
+    w = torch.randn(40, 64, generator=gen).bfloat16()
+    packed = linear_cpu.pack_linear(w)
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    for bad in [
+        lambda: linear_cpu.pack_linear(w.float()),
+        lambda: linear_cpu.pack_linear(w[:, :63]),  # odd k
+        lambda: linear_cpu.pack_linear(w[0]),
+        lambda: linear_cpu.pack_linear(w[:0]),
+        lambda: linear_cpu.linear(x.float(), packed),
+        lambda: linear_cpu.linear(x[:, :62], packed),
+        lambda: linear_cpu.linear(x[0], packed),
+        lambda: linear_cpu.linear(x, packed, torch.zeros(39, dtype=torch.bfloat16)),
+        lambda: linear_cpu.linear(x, packed, torch.zeros(40)),
+    ]:
+        with pytest.raises(KernelConfigError):
+            bad()
+    before = packed.data.clone()
+    assert torch.equal(linear_cpu.linear(x, packed), linear_cpu.linear(x, packed))
+    assert torch.equal(packed.data, before)  # the packed weight is only read
+    with pytest.raises(ValueError, match="even"):  # the binding's own check
+        cpu_native._native.linear(0, 3, 1, 3, 0, 4, 0, 0, 4, 1, 0, False)
