@@ -43,6 +43,23 @@ class PackedLinear:
         return self.data.numel() * self.data.element_size()
 
 
+def has_amx() -> bool:
+    """Whether the CPU has AMX bf16 tiles (Linux ``/proc/cpuinfo``). oneDNN's bf16 GEMM uses
+    them, far faster than AVX-512 BF16 once enough rows make a GEMM compute-bound, so callers
+    should keep the native kernel to the rows where the weight's stream is the bound."""
+    global _AMX
+    if _AMX is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                _AMX = any("amx_bf16" in line.split() for line in f if line.startswith("flags"))
+        except OSError:
+            _AMX = False
+    return _AMX
+
+
+_AMX: bool | None = None
+
+
 def fast_path() -> bool:
     """Whether the native kernel has its AVX-512 BF16 path on this CPU."""
     return cpu_native.linear_fast_path()

@@ -21,15 +21,15 @@ the weights in memory (the plain weight stays: transformers' modules share it). 
 weights, CUDA, and a compiled forward (inductor packs its own) keep ``F.linear``.
 
 **Small batches: kvcore's own kernel** (``kvcore_kernels.linear_cpu``). A decode step's GEMMs
-have 1-128 rows and read every weight once, so they run at the speed the weights stream from
-memory; oneDNN reaches 8-28 GB/s there on a 2-core Zen 4 against the ~35 GB/s the cores can read.
-Where the CPU has AVX-512 BF16, ``prepack_linears`` also packs each bf16 weight into the native
-kernel's panels (one sequential stream per 32 output columns) and calls with up to
-``SMALL_ROWS`` rows take it: 1.1-1.4x oneDNN's time over SmolLM2's 30 layers and LM head at
-1-192 rows (``benches/bench_linear_cpu.py``). Its rows are independent of each other (a
-row's result does not depend on the batch it runs in); its bits may differ from oneDNN's in the
-last place (another order of the fp32 sum). A third copy of the weights (SmolLM2: 256 MiB more);
-``KVCORE_SMALL_LINEAR=0`` turns it off.
+have a few rows and read every weight once, so they run at the speed the weights stream from
+memory; oneDNN reaches 8-22 GB/s there on a 2-core Zen 4 against the ~35 GB/s the cores can
+read. Where the CPU has AVX-512 BF16, ``prepack_linears`` also packs each bf16 weight into the
+native kernel's panels (one sequential stream per 32 output columns), and calls with up to
+``SMALL_ROWS`` rows take it: a decode step's GEMMs (SmolLM2's 30 layers and LM head) in
+0.66-0.88x oneDNN's time at 1-192 rows (``benches/bench_linear_cpu.py``, docs/kernels.md). Its
+rows are independent of each other (a row's result does not depend on the batch it runs in);
+its bits may differ from oneDNN's in the last place (another order of the fp32 sum). The cost:
+a third copy of the weights (SmolLM2: 256 MiB more); ``KVCORE_SMALL_LINEAR=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -41,9 +41,12 @@ import torch.nn.functional as F
 from kvcore_kernels import linear_cpu
 from torch import nn
 
-# Rows up to which the native small-batch kernel runs (it measured faster than oneDNN up to 192
-# rows with the weights streaming from memory; above that oneDNN's blocking wins).
-SMALL_ROWS = 128
+# Rows up to which the native small-batch kernel runs. Without AMX it measured faster than
+# oneDNN at every row count up to 256 (a decode step's weights streaming: 1.1-1.5x; one warm
+# projection at 256 rows: 1.08-1.12x) and about equal at 2,048. With AMX (not measured here),
+# oneDNN's tiles should win as soon as the GEMM is compute-bound, so only the rows where the
+# weight's stream is the bound take the kernel.
+SMALL_ROWS = 16 if linear_cpu.has_amx() else 256
 
 
 def _linear(x: torch.Tensor, mod: MergedLinear | Linear) -> torch.Tensor:
