@@ -151,22 +151,26 @@ def test_small_batches_take_the_native_linear_and_large_ones_onednn(monkeypatch)
     native, _ = native_model(hf)
     ids = torch.randint(3, 256, (13,), generator=torch.Generator().manual_seed(4))
     mods = [m for m in native.modules() if isinstance(m, (Linear, MergedLinear))]
+    dnn_bytes = sum(m.weight.numel() * 2 for m in mods) if can_prepack() else 0
     with torch.no_grad():
         plain = native(ids, torch.arange(13), torch.arange(13), DenseStep()).float()
-        n = prepack_linears(native)
-        assert all(m.small is not None for m in mods)
-        dnn = sum(m.weight.numel() * 2 for m in mods) if can_prepack() else 0
-        assert n == dnn + sum(m.small.nbytes for m in mods)
-        small, onednn_calls = _linear_calls(native, ids, 13)
-        assert onednn_calls == 0  # every projection of a 13-row step: the native kernel
-        # bf16 logits: the same up to the last bits of each GEMM (another order of the sum)
-        err = (small.float() - plain).abs().max() / plain.abs().max()
-        assert 0 < err < 0.05 or torch.equal(small.float(), plain)
-        assert (small.float().argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
-        if can_prepack():  # above SMALL_ROWS the oneDNN copy runs: the old bits exactly
-            monkeypatch.setattr(linear_mod, "SMALL_ROWS", 4)
-            big, onednn_calls = _linear_calls(native, ids, 13)
-            assert onednn_calls == len(mods) and torch.equal(big.float(), plain)
+        for limit in (linear_mod.SMALL_ROWS, 4):  # this CPU's limit, then one below 13 rows
+            monkeypatch.setattr(linear_mod, "SMALL_ROWS", limit)
+            n = prepack_linears(native)
+            small_bytes = sum(m.small.nbytes for m in mods if m.small is not None)
+            assert all(m.small is not None for m in mods)
+            # no row limit (no AMX): the native copy replaces oneDNN's
+            assert all((m.packed is None) == (limit is None) for m in mods)
+            assert n == small_bytes + (0 if limit is None else dnn_bytes)
+            got, onednn_calls = _linear_calls(native, ids, 13)
+            if limit is None or limit >= 13:  # every projection: the native kernel
+                assert onednn_calls == 0
+                # bf16 logits: the same up to the last bits of each GEMM (another sum order)
+                err = (got.float() - plain).abs().max() / plain.abs().max()
+                assert err < 0.05
+                assert (got.float().argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
+            elif can_prepack():  # above the limit oneDNN's copy runs: the old bits exactly
+                assert onednn_calls == len(mods) and torch.equal(got.float(), plain)
     monkeypatch.setenv("KVCORE_SMALL_LINEAR", "0")
     assert not can_pack_small()
 

@@ -185,10 +185,13 @@ class ModelRunner:
         if self.native is not None and self.device.type == "cpu" and not self.compile:
             self.prepacked_bytes = prepack_linears(self.native)
             if self.prepacked_bytes:
+                mods = [m for m in self.native.modules() if hasattr(m, "small")]
                 logger.info(
-                    "kvcore: bf16 linear weights prepacked for oneDNN and the small-batch "
-                    "kernel (%.0f MiB)",
+                    "kvcore: bf16 linear weights prepacked (%.0f MiB): %d for kvcore's kernel, "
+                    "%d for oneDNN",
                     self.prepacked_bytes / 2**20,
+                    sum(m.small is not None for m in mods),
+                    sum(m.packed is not None for m in mods),
                 )
         self.compile_stats = CompileStats()
         self.max_model_len = max_model_len or num_blocks * block_size

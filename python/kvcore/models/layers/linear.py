@@ -20,16 +20,17 @@ differently (``benches/bench_linear_cpu.py`` times and counts both). The cost: o
 the weights in memory (the plain weight stays: transformers' modules share it). fp32 and fp16
 weights, CUDA, and a compiled forward (inductor packs its own) keep ``F.linear``.
 
-**Small batches: kvcore's own kernel** (``kvcore_kernels.linear_cpu``). A decode step's GEMMs
-have a few rows and read every weight once, so they run at the speed the weights stream from
-memory; oneDNN reaches 8-22 GB/s there on a 2-core Zen 4 against the ~35 GB/s the cores can
-read. Where the CPU has AVX-512 BF16, ``prepack_linears`` also packs each bf16 weight into the
-native kernel's panels (one sequential stream per 32 output columns), and calls with up to
-``SMALL_ROWS`` rows take it: a decode step's GEMMs (SmolLM2's 30 layers and LM head) in
-0.66-0.88x oneDNN's time at 1-192 rows (``benches/bench_linear_cpu.py``, docs/kernels.md). Its
-rows are independent of each other (a row's result does not depend on the batch it runs in);
-its bits may differ from oneDNN's in the last place (another order of the fp32 sum). The cost:
-a third copy of the weights (SmolLM2: 256 MiB more); ``KVCORE_SMALL_LINEAR=0`` turns it off.
+**kvcore's own kernel for bf16 on CPUs with AVX-512 BF16** (``kvcore_kernels.linear_cpu``). A
+decode step's GEMMs have a few rows and read every weight once, so they run at the speed the
+weights stream from memory; oneDNN reaches 8-22 GB/s there on a 2-core Zen 4 against the ~35 GB/s
+the cores can read. ``prepack_linears`` packs each bf16 weight into the native kernel's panels
+(one sequential stream per 32 output columns): a decode step's GEMMs (SmolLM2's 30 layers and LM
+head) take 0.66-0.88x oneDNN's time at 1-192 rows, and prefill chunks about the same
+(``benches/bench_linear_cpu.py``, docs/kernels.md). Without AMX it runs every call and replaces
+oneDNN's packed copy (the same memory as before); with AMX it takes calls of up to ``SMALL_ROWS``
+rows beside oneDNN's copy. A row's result does not depend on the batch it runs in (one order of
+the sum per row); its bits may differ from oneDNN's in the last place. ``KVCORE_SMALL_LINEAR=0``
+turns it off (oneDNN's packed copy again).
 """
 
 from __future__ import annotations
@@ -41,12 +42,13 @@ import torch.nn.functional as F
 from kvcore_kernels import linear_cpu
 from torch import nn
 
-# Rows up to which the native small-batch kernel runs. Without AMX it measured faster than
-# oneDNN at every row count up to 256 (a decode step's weights streaming: 1.1-1.5x; one warm
-# projection at 256 rows: 1.08-1.12x) and about equal at 2,048. With AMX (not measured here),
-# oneDNN's tiles should win as soon as the GEMM is compute-bound, so only the rows where the
-# weight's stream is the bound take the kernel.
-SMALL_ROWS = 16 if linear_cpu.has_amx() else 256
+# Rows up to which the native kernel runs (None: every call). Without AMX it measured faster
+# than oneDNN at every row count up to 256 (a decode step's weights streaming: 1.1-1.5x) and
+# about equal on prefill chunks (2,048 rows: 0.95-1.07x by shape; whole prefill steps of 300-1,000
+# tokens 0-11 % faster), so it runs every call and oneDNN's copy is not made. With AMX (not
+# measured here) oneDNN's tiles should win once a GEMM is compute-bound, so only the rows where
+# the weight's stream is the bound take the kernel, and oneDNN keeps its copy for the rest.
+SMALL_ROWS: int | None = 16 if linear_cpu.has_amx() else None
 
 
 def _linear(x: torch.Tensor, mod: MergedLinear | Linear) -> torch.Tensor:
@@ -54,7 +56,7 @@ def _linear(x: torch.Tensor, mod: MergedLinear | Linear) -> torch.Tensor:
     # keeps F.linear: oneDNN takes another path for it, no faster packed, and not the same bits.
     if not torch.compiler.is_compiling():
         rows = x.shape[0]
-        if mod.small is not None and rows <= SMALL_ROWS and x.dim() == 2:
+        if mod.small is not None and x.dim() == 2 and (SMALL_ROWS is None or rows <= SMALL_ROWS):
             return linear_cpu.linear(x, mod.small, mod.bias)
         if mod.packed is not None and x.numel() > x.shape[-1]:
             return torch.ops.mkldnn._linear_pointwise(x, mod.packed, mod.bias, "none", [], "")
@@ -83,9 +85,10 @@ def can_pack_small() -> bool:
 
 def prepack_linears(model: nn.Module) -> int:
     """Pack the weight of every ``Linear`` / ``MergedLinear`` of ``model`` that is bf16 on the
-    CPU for oneDNN and, where ``can_pack_small()``, for the native small-batch kernel (see the
-    module docstring); returns the bytes packed (0 when none or when both are off). Packing
-    again re-packs (after a weight changed). ``KVCORE_PREPACK=0`` turns both off."""
+    CPU for the native kernel where ``can_pack_small()``, and for oneDNN where rows are left to
+    it (``SMALL_ROWS``; see the module docstring); returns the bytes packed (0 when none or when
+    both are off). Packing again re-packs (after a weight changed). ``KVCORE_PREPACK=0`` turns
+    both off."""
     if os.environ.get("KVCORE_PREPACK", "1") in ("0", ""):
         return 0
     dnn, small = can_prepack(), can_pack_small()
@@ -99,11 +102,14 @@ def prepack_linears(model: nn.Module) -> int:
         if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2:
             mod.packed = mod.small = None
             continue
-        if dnn:
+        fits = small and w.shape[1] % 2 == 0 and (mod.bias is None or mod.bias.dtype == w.dtype)
+        mod.small = linear_cpu.pack_linear(w.detach()) if fits else None
+        # oneDNN's copy: for the rows the native kernel does not take (all, if it cannot run)
+        mod.packed = None
+        if dnn and (not fits or SMALL_ROWS is not None):
             mod.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
             total += w.numel() * w.element_size()
-        if small and w.shape[1] % 2 == 0 and (mod.bias is None or mod.bias.dtype == w.dtype):
-            mod.small = linear_cpu.pack_linear(w.detach())
+        if mod.small is not None:
             total += mod.small.nbytes
     return total
 
