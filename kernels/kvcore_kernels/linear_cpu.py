@@ -89,8 +89,9 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for bf16 ``x [M, k]`` (unit-stride rows) on the packed weight;
-    a new ``[M, n_out]`` bf16 tensor. Raises ``KernelConfigError`` for anything else."""
+    """``x @ W.T (+ bias)`` for bf16 CPU ``x [M, k]`` (any strides: other layouts are copied
+    first) on the packed weight; a new ``[M, n_out]`` bf16 tensor. Raises ``KernelConfigError``
+    for anything else."""
     if not cpu_native.available():
         raise KernelConfigError("the native linear needs the kvcore_kernels extension")
     if (
@@ -98,23 +99,23 @@ def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = No
         or x.dtype != torch.bfloat16
         or x.device.type != "cpu"
         or x.shape[1] != packed.k
-        or (x.shape[0] > 1 and x.stride(1) != 1)
     ):
         raise KernelConfigError(
-            f"linear takes bf16 CPU x [M, {packed.k}] with unit-stride rows, got "
-            f"{tuple(x.shape)} {x.dtype} on {x.device}"
+            f"linear takes bf16 CPU x [M, {packed.k}], got {tuple(x.shape)} {x.dtype} on {x.device}"
         )
     if bias is not None and (
         bias.shape != (packed.n_out,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()
     ):
         raise KernelConfigError(f"bias must be contiguous bf16 [{packed.n_out}]")
-    if x.stride(1) != 1:
+    rows = x.shape[0]
+    if x.stride(1) != 1 or (rows > 1 and x.stride(0) < packed.k):  # the kernel reads whole rows
         x = x.contiguous()
-    out = torch.empty(x.shape[0], packed.n_out, dtype=torch.bfloat16)
-    if x.shape[0] == 0:
+    out = torch.empty(rows, packed.n_out, dtype=torch.bfloat16)
+    if rows == 0:
         return out
     cpu_native.linear(
-        x.data_ptr(), x.stride(0), x.shape[0], packed.k, packed.data.data_ptr(), packed.n_out,
+        x.data_ptr(), x.stride(0) if rows > 1 else packed.k, rows, packed.k,
+        packed.data.data_ptr(), packed.n_out,
         0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
     )  # fmt: skip
     return out

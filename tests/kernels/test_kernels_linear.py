@@ -76,6 +76,11 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(gen, mode):
         for lo, hi in [(0, 1), (3, 4), (5, 12), (9, 70), (0, 70)]:
             assert torch.equal(linear_cpu.linear(x[lo:hi], packed), full[lo:hi])
     assert linear_cpu.linear(x[:0], packed).shape == (0, 200)
+    # odd layouts are copied first: a transposed single row, broadcast rows, a column view
+    col = x[:1].T.contiguous()  # [576, 1]
+    assert torch.equal(linear_cpu.linear(col.T, packed), full[:1])
+    assert torch.equal(linear_cpu.linear(x[:1].expand(3, -1), packed), full[:1].expand(3, -1))
+    assert torch.equal(linear_cpu.linear(x.T.contiguous().T, packed), full)
 
 
 def test_smollm2_shapes_against_f_linear(gen):
