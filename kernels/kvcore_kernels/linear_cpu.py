@@ -2,13 +2,13 @@
 
 A decode step multiplies a few rows by every weight of the model once, so its GEMMs run at the
 speed the weights stream from memory. oneDNN's bf16 GEMM, tuned for many rows, reaches a
-fraction of that at 1-16 rows (SmolLM2 on a 2-core Zen 4: 9-19 GB/s of weight against ~35 GB/s
+fraction of that at a few rows (SmolLM2 on a 2-core Zen 4: 8-22 GB/s of weight against ~35 GB/s
 the cores can read). The native kernel (``kernels/native/src/linear.rs``) reads a weight packed
 into panels of 32 output columns, each one sequential stream of bf16 pairs, and does one AVX-512
 BF16 dot product per 64 bytes loaded and row::
 
     packed = pack_linear(weight)          # [N, K] bf16 -> PackedLinear (once, at load time)
-    y = linear(x, packed, bias)           # x [M, K] bf16 (unit-stride rows) -> [M, N] bf16
+    y = linear(x, packed, bias)           # x [M, K] bf16 -> [M, N] bf16
 
 Results are fp32 sums of bf16 products rounded once to bf16, as oneDNN's; the order of the sum
 differs, so a value may differ from ``F.linear``'s in its last bit. ``linear_torch`` is the
