@@ -60,6 +60,7 @@ from kvcore.runner.compile import (
     compiled_graph_count,
     mark_step_dynamic,
 )
+from kvcore.runner.cpu_malloc import tune_cpu_malloc
 from kvcore.runner.cuda_graphs import CudaGraphs, DecodeBuffers, graph_sizes
 from kvcore.runner.mla import allocate_latent_caches, check_runner_args, install_mla
 from kvcore.runner.native import NativeStep
@@ -182,6 +183,8 @@ class ModelRunner:
         # the native small-batch kernel (kvcore.models.layers.linear); a compiled forward leaves
         # the packing to inductor.
         self.prepacked_bytes = 0
+        if self.device.type == "cpu" and (tuned := tune_cpu_malloc()):
+            logger.info("kvcore: %s (KVCORE_MALLOC_TUNE=0 leaves it alone)", tuned)
         if self.native is not None and self.device.type == "cpu" and not self.compile:
             self.prepacked_bytes = prepack_linears(self.native)
             if self.prepacked_bytes:
