@@ -20,6 +20,7 @@ from kvcore.models.layers.linear import (
     MergedLinear,
     can_pack_small,
     can_prepack,
+    gate_up_act,
     prepack_linears,
 )
 from kvcore.models.loader import auto_dtype, tiny_llama
@@ -27,6 +28,7 @@ from kvcore.models.native import native_model
 from kvcore.models.tiny import tiny_window_model
 from kvcore.params import SamplingParams
 from kvcore.runner.model_runner import ModelRunner
+from kvcore_kernels import linear_cpu
 from test_engine import SMALL
 
 FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3"]
@@ -157,8 +159,11 @@ def test_small_batches_take_the_native_linear_and_large_ones_onednn(monkeypatch)
         for limit in (linear_mod.SMALL_ROWS, 4):  # this CPU's limit, then one below 13 rows
             monkeypatch.setattr(linear_mod, "SMALL_ROWS", limit)
             n = prepack_linears(native)
-            small_bytes = sum(m.small.nbytes for m in mods if m.small is not None)
-            assert all(m.small is not None for m in mods)
+            packs = [m.small if m.small is not None else m.gated for m in mods]
+            small_bytes = sum(p.nbytes for p in packs if p is not None)
+            # every projection packed once: the SiLU MLPs' gate-up gated, the others plain
+            assert all((m.small is None) != (m.gated is None) for m in mods)
+            assert sum(m.gated is not None for m in mods) == hf.config.num_hidden_layers
             # no row limit (no AMX): the native copy replaces oneDNN's
             assert all((m.packed is None) == (limit is None) for m in mods)
             assert n == small_bytes + (0 if limit is None else dnn_bytes)
@@ -173,6 +178,25 @@ def test_small_batches_take_the_native_linear_and_large_ones_onednn(monkeypatch)
                 assert onednn_calls == len(mods) and torch.equal(got.float(), plain)
     monkeypatch.setenv("KVCORE_SMALL_LINEAR", "0")
     assert not can_pack_small()
+
+
+@pytest.mark.skipif(not can_pack_small(), reason="no AVX-512 BF16: the small-batch kernel is off")
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma2"])
+def test_silu_gate_up_runs_gated_with_the_two_step_bits(name):
+    hf = _hf(name, dtype=torch.bfloat16)
+    native, _ = native_model(hf)
+    prepack_linears(native)
+    mlps = [m for m in native.modules() if hasattr(m, "gate_up_proj")]
+    silu = name != "tiny-gemma2"  # Gemma's tanh-GELU keeps the plain product + activation
+    assert mlps and all((m.gate_up_proj.gated is not None) == silu for m in mlps)
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 7, 13, 40):
+        x = torch.randn(rows, hf.config.hidden_size, generator=gen).bfloat16()
+        for mlp in mlps:
+            got = gate_up_act(mlp.gate_up_proj, mlp.act, x)
+            plain = linear_cpu.linear(x, linear_cpu.pack_linear(mlp.gate_up_proj.weight.detach()))
+            assert torch.equal(got, mlp.act(plain))  # the same roundings as the two steps
+            assert got.shape == (rows, mlp.gate_up_proj.output_sizes[0])
 
 
 @pytest.mark.skipif(not can_prepack(), reason="this torch has no oneDNN packed linear")

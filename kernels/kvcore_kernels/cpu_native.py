@@ -364,12 +364,12 @@ def linear_fast_path() -> bool:
 
 def linear(
     x: int, x_stride: int, rows: int, k: int, w: int, n_out: int, bias: int, out: int,
-    out_stride: int,
+    out_stride: int, glu: bool = False,
 ) -> None:  # fmt: skip
     """A small-batch bf16 linear over addresses (``linear_cpu`` checked the tensors) on the
-    kernel's threads."""
+    kernel's threads; ``glu``: a gated weight, ``silu(gate) * up`` out."""
     _bind_openmp()
     _native.linear(
         x, x_stride, rows, k, w, n_out, bias, out, out_stride, torch.get_num_threads(),
-        MODES[OPTIONS.mode], OPTIONS.portable,
+        MODES[OPTIONS.mode], OPTIONS.portable, glu,
     )  # fmt: skip

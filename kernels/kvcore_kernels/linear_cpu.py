@@ -10,6 +10,14 @@ BF16 dot product per 64 bytes loaded and row::
     packed = pack_linear(weight)          # [N, K] bf16 -> PackedLinear (once, at load time)
     y = linear(x, packed, bias)           # x [M, K] bf16 -> [M, N] bf16
 
+    gated = pack_linear(gate_up, glu=True)  # [2I, K] = [gate | up] -> PackedLinear(n_out=I)
+    h = linear(x, gated)                  # bf16(silu(x gate^T)) * (x up^T): [M, I]
+
+A gated weight keeps gate panel ``i`` next to up panel ``i``, and the kernel writes
+``silu(g) * u`` from its fp32 sums, rounding ``g``, ``u``, ``silu(g)`` and the product to bf16
+where the plain product followed by ``ops_cpu.silu_and_mul`` rounds them: the same bits as those
+two calls on the native kernel, without the ``[M, 2I]`` intermediate (written, then read again).
+
 Results are fp32 sums of bf16 products rounded once to bf16, as oneDNN's; the order of the sum
 differs, so a value may differ from ``F.linear``'s in its last bit. ``linear_torch`` is the
 reference (``F.linear`` on the unpacked weight). ``fast_path()`` says whether this CPU has the
@@ -37,6 +45,9 @@ class PackedLinear:
     data: torch.Tensor
     n_out: int
     k: int
+    #: gated: ``data`` holds gate and up panels alternately and ``n_out`` is ``I`` (half the
+    #: weight's rows); ``linear`` returns ``silu(gate) * up``
+    glu: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -65,8 +76,10 @@ def fast_path() -> bool:
     return cpu_native.linear_fast_path()
 
 
-def pack_linear(weight: torch.Tensor) -> PackedLinear:
-    """Pack a 2-D bf16 CPU weight ``[n_out, k]`` (``k`` even) for ``linear``; a new tensor."""
+def pack_linear(weight: torch.Tensor, glu: bool = False) -> PackedLinear:
+    """Pack a 2-D bf16 CPU weight ``[n_out, k]`` (``k`` even) for ``linear``; a new tensor. With
+    ``glu``, ``weight`` is a fused gate-up ``[2I, k]`` (gate rows first) and ``linear`` returns
+    ``silu(gate) * up`` ``[M, I]``."""
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         raise KernelConfigError(
             f"pack_linear takes a 2-D bf16 CPU weight, got {tuple(weight.shape)} "
@@ -75,12 +88,18 @@ def pack_linear(weight: torch.Tensor) -> PackedLinear:
     n, k = weight.shape
     if n == 0 or k == 0 or k % 2:
         raise KernelConfigError(f"pack_linear needs n_out > 0 and an even k > 0, got {n} x {k}")
-    panels = -(-n // NB)
-    padded = torch.zeros(panels * NB, k, dtype=torch.bfloat16)
-    padded[:n] = weight
-    # [panels, 32 columns, k/2 pairs, 2] -> [panels, k/2, 32, 2]: a dword per (column, pair)
-    data = padded.view(panels, NB, k // 2, 2).transpose(1, 2).contiguous()
-    return PackedLinear(data.view(torch.int32).view(panels, k // 2, NB), n, k)
+    if glu and n % 2:
+        raise KernelConfigError(f"a gated pack_linear needs [gate | up] rows, got {n}")
+    parts = weight.chunk(2) if glu else (weight,)
+    out = parts[0].shape[0]
+    panels = -(-out // NB)
+    padded = torch.zeros(len(parts), panels * NB, k, dtype=torch.bfloat16)
+    for i, part in enumerate(parts):
+        padded[i, :out] = part
+    # [part, panels, 32 columns, k/2 pairs, 2] -> [panels, part, k/2, 32, 2]: a dword per
+    # (column, pair); gated, gate panel i and up panel i adjacent
+    data = padded.view(len(parts), panels, NB, k // 2, 2).permute(1, 0, 3, 2, 4).contiguous()
+    return PackedLinear(data.view(torch.int32).view(len(parts) * panels, k // 2, NB), out, k, glu)
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -103,6 +122,8 @@ def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = No
         raise KernelConfigError(
             f"linear takes bf16 CPU x [M, {packed.k}], got {tuple(x.shape)} {x.dtype} on {x.device}"
         )
+    if bias is not None and packed.glu:
+        raise KernelConfigError("a gated linear takes no bias")
     if bias is not None and (
         bias.shape != (packed.n_out,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()
     ):
@@ -116,6 +137,6 @@ def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = No
     cpu_native.linear(
         x.data_ptr(), x.stride(0) if rows > 1 else packed.k, rows, packed.k,
         packed.data.data_ptr(), packed.n_out,
-        0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+        0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), packed.glu,
     )  # fmt: skip
     return out

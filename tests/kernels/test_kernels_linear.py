@@ -2,7 +2,8 @@
 reference: each output within one bf16 rounding of the exact sum (plus the fp32 sum's own error),
 on AVX-512 BF16 and the portable path, for hypothesis-drawn shapes (ragged last panel, bias or
 not, strided rows); each row's bits independent of the batch it runs in and of the thread mode;
-and what it refuses, with nothing written."""
+gated packs (``silu(gate) * up``) with the bits of the plain product followed by
+``ops_cpu.silu_and_mul``; and what it refuses, with nothing written."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcore_kernels import cpu_native, linear_cpu
+from kvcore_kernels import cpu_native, linear_cpu, ops_cpu
 from kvcore_kernels.errors import KernelConfigError
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native extension not built")
@@ -65,6 +66,33 @@ def test_linear_matches_float64_reference(portable, rows, n, k, bias, pad, seed)
     _check(got, x, w, b)
 
 
+@PATHS
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    i_out=st.integers(1, 100),
+    k=st.integers(1, 120).map(lambda v: 2 * v),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gated_linear_is_the_plain_product_then_silu_and_mul(portable, rows, i_out, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(2 * i_out, k, generator=gen) * k**-0.5).bfloat16()  # [gate | up]
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    gated, plain = linear_cpu.pack_linear(w, glu=True), linear_cpu.pack_linear(w)
+    # gate and up padded to whole panels each, then alternating
+    assert gated.glu and gated.n_out == i_out and gated.nbytes == 2 * -(-i_out // 32) * k * 64
+    with _options(portable=portable):
+        got = linear_cpu.linear(x, gated)
+        want = ops_cpu.silu_and_mul(linear_cpu.linear(x, plain))
+    assert got.shape == (rows, i_out) and torch.equal(got, want)
+    # and against float64: silu(g) * u within the roundings of g, u, silu(g) and the product
+    g, u = (x.double() @ w.double().T).split(i_out, dim=1)
+    exact = torch.nn.functional.silu(g) * u
+    mag = (x.double().abs() @ w.double().abs().T).split(i_out, dim=1)
+    tol = exact.abs() * 2**-6 + (mag[0] * u.abs() + mag[1] * g.abs()) * 2**-7 + 1e-6
+    assert bool(((got.double() - exact).abs() <= tol).all())
+
+
 @pytest.mark.parametrize("mode", ["omp", "rayon", "single"])
 def test_rows_do_not_depend_on_the_batch_or_the_threads(gen, mode):
     """A row's bits are those it gets alone (one decode request or 64), in every thread mode."""
@@ -108,11 +136,17 @@ def test_bad_input_is_refused_and_nothing_is_written(gen):
         lambda: linear_cpu.linear(x[0], packed),
         lambda: linear_cpu.linear(x, packed, torch.zeros(39, dtype=torch.bfloat16)),
         lambda: linear_cpu.linear(x, packed, torch.zeros(40)),
+        lambda: linear_cpu.pack_linear(w[:39], glu=True),  # odd rows: no [gate | up] halves
+        lambda: linear_cpu.linear(
+            x, linear_cpu.pack_linear(w, glu=True), torch.zeros(20, dtype=torch.bfloat16)
+        ),
     ]:
         with pytest.raises(KernelConfigError):
             bad()
     before = packed.data.clone()
     assert torch.equal(linear_cpu.linear(x, packed), linear_cpu.linear(x, packed))
     assert torch.equal(packed.data, before)  # the packed weight is only read
-    with pytest.raises(ValueError, match="even"):  # the binding's own check
+    with pytest.raises(ValueError, match="even"):  # the binding's own checks
         cpu_native._native.linear(0, 3, 1, 3, 0, 4, 0, 0, 4, 1, 0, False)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_native._native.linear(0, 4, 1, 4, 0, 4, 8, 0, 4, 1, 0, False, True)

@@ -16,6 +16,11 @@
 //! `N` (the last panel's padding) are zero and never stored. Rows run in chunks of up to `MR` = 8
 //! (16 fp32 accumulators); a panel's later chunks read it again from L1/L2, not memory.
 //!
+//! **Gated (`glu`)**: a gate-up weight `[gate | up]` (`2 I` rows) packed with gate panel `i` and up
+//! panel `i` adjacent (`pack_linear(w, glu=True)`); each pair of panels gives 32 columns of
+//! `bf16(bf16(silu(bf16(g))) * bf16(u))`, the bits `ops.rs`'s `SiluMul` makes from the plain
+//! product's bf16 output, without writing or reading that `[M, 2 I]` intermediate.
+//!
 //! Invariants: `K` is even; `x` rows hold `K` bf16 (unit stride), `out` rows `N` bf16. Results
 //! are fp32 sums of bf16 products rounded once to bf16 (round to nearest even), like oneDNN's;
 //! the summation order differs from it, so bits may differ in the last place. Tasks are runs of
@@ -47,6 +52,9 @@ pub struct Linear {
     pub bias: *const u16,
     pub out: *mut u16,
     pub out_stride: usize,
+    /// Gated: `n_out` is `I`, the panels alternate gate / up (`2 * I.div_ceil(NB)` of them),
+    /// `bias` is null.
+    pub glu: bool,
 }
 
 unsafe impl Send for Linear {}
@@ -54,49 +62,79 @@ unsafe impl Sync for Linear {}
 
 impl Linear {
     pub fn panels(&self) -> usize {
-        self.n_out.div_ceil(NB)
+        self.n_out.div_ceil(NB) * if self.glu { 2 } else { 1 }
     }
 
-    /// Panels per task.
+    /// Panels per task (whole gate / up pairs when gated).
     pub fn panels_per_task(&self) -> usize {
-        (TASK_BYTES / (self.k * NB * 2).max(1)).max(1)
+        let per = (TASK_BYTES / (self.k * NB * 2).max(1)).max(1);
+        if self.glu {
+            (per & !1).max(2)
+        } else {
+            per
+        }
     }
+}
+
+/// `bf16(bf16(silu(g)) * u)` of bf16-rounded `g`, `u` (as `ops.rs`'s `SiluMul` rounds).
+#[inline(always)]
+fn silu_mul(g: f32, u: f32) -> u16 {
+    let g = bf16_to_f32(f32_to_bf16(g));
+    let u = bf16_to_f32(f32_to_bf16(u));
+    let s = bf16_to_f32(f32_to_bf16(g / (1.0 + (-g).exp())));
+    f32_to_bf16(s * u)
 }
 
 /// Panels `lo .. hi`, portable: the same packed layout, fp32 products summed pair by pair.
 pub unsafe fn run_panels_portable(c: &Linear, lo: usize, hi: usize) {
     let kp_n = c.k / 2;
-    for p in lo..hi {
+    let dot = |p: usize, x: *const u16| {
         let panel = c.w.add(p * kp_n * NB);
-        let cols = NB.min(c.n_out - p * NB);
+        let mut acc = [0f32; NB];
+        for kp in 0..kp_n {
+            let (x0, x1) = (bf16_to_f32(*x.add(2 * kp)), bf16_to_f32(*x.add(2 * kp + 1)));
+            let row = panel.add(kp * NB);
+            for j in 0..NB {
+                let pair = *row.add(j);
+                let (w0, w1) = (bf16_to_f32(pair as u16), bf16_to_f32((pair >> 16) as u16));
+                acc[j] += x0 * w0 + x1 * w1;
+            }
+        }
+        acc
+    };
+    let step = if c.glu { 2 } else { 1 };
+    let mut p = lo;
+    while p < hi {
+        let n0 = p / step * NB;
+        let cols = NB.min(c.n_out - n0);
         for m in 0..c.rows {
             let x = c.x.add(m * c.x_stride);
-            let mut acc = [0f32; NB];
-            for kp in 0..kp_n {
-                let (x0, x1) = (bf16_to_f32(*x.add(2 * kp)), bf16_to_f32(*x.add(2 * kp + 1)));
-                let row = panel.add(kp * NB);
-                for j in 0..NB {
-                    let pair = *row.add(j);
-                    let (w0, w1) = (bf16_to_f32(pair as u16), bf16_to_f32((pair >> 16) as u16));
-                    acc[j] += x0 * w0 + x1 * w1;
+            let out = c.out.add(m * c.out_stride + n0);
+            let acc = dot(p, x);
+            if c.glu {
+                let up = dot(p + 1, x);
+                for j in 0..cols {
+                    *out.add(j) = silu_mul(acc[j], up[j]);
                 }
+                continue;
             }
-            let out = c.out.add(m * c.out_stride + p * NB);
             for j in 0..cols {
                 let b = if c.bias.is_null() {
                     0.0
                 } else {
-                    bf16_to_f32(*c.bias.add(p * NB + j))
+                    bf16_to_f32(*c.bias.add(n0 + j))
                 };
                 *out.add(j) = f32_to_bf16(acc[j] + b);
             }
         }
+        p += step;
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx512 {
     use super::{Linear, MR, MR2, NB};
+    use crate::simd::{Avx512, Simd};
     use std::arch::x86_64::*;
 
     /// Prefetch distance in bytes ahead of the panel row being read (first chunk only).
@@ -135,6 +173,9 @@ pub mod avx512 {
                 }
             }
         }
+        if c.glu {
+            return store_glu::<R>(c, p, m0, &acc);
+        }
         for q in 0..P {
             let n0 = (p + q) * NB;
             let cols = NB.min(c.n_out - n0);
@@ -165,6 +206,35 @@ pub mod avx512 {
         }
     }
 
+    /// Gated epilogue of rows `m0 .. m0 + R` of the gate / up pair at panels `p`, `p + 1`:
+    /// 32 columns of `bf16(bf16(silu(bf16(g))) * bf16(u))`, the rounding of `ops.rs`'s
+    /// `SiluMul` on the plain product's bf16 output.
+    #[inline(always)]
+    unsafe fn store_glu<const R: usize>(c: &Linear, p: usize, m0: usize, acc: &[[__m512; 4]; R]) {
+        type V = Avx512<true>;
+        let n0 = p / 2 * NB;
+        let cols = NB.min(c.n_out - n0);
+        let (mask0, mask1): (u16, u16) = if cols == NB {
+            (0xffff, 0xffff)
+        } else {
+            let m = (1u32 << cols) - 1;
+            (m as u16, (m >> 16) as u16)
+        };
+        for r in 0..R {
+            let out = c.out.add((m0 + r) * c.out_stride + n0);
+            for h in 0..2 {
+                let g = Avx512::<true>(acc[r][h]).round_bf16();
+                let u = Avx512::<true>(acc[r][2 + h]).round_bf16();
+                let e = g.mul(V::splat(-1.0)).exp();
+                let s = g.div(V::splat(1.0).add(e)).round_bf16();
+                let y = _mm512_cvtneps_pbh(s.mul(u).0);
+                let y = std::mem::transmute::<__m256bh, __m256i>(y);
+                let mask = if h == 0 { mask0 } else { mask1 };
+                _mm256_mask_storeu_epi16(out.add(16 * h) as *mut _, mask, y);
+            }
+        }
+    }
+
     /// 16 bf16 -> 16 fp32 (exact).
     #[inline(always)]
     unsafe fn widen(h: __m256i) -> __m512 {
@@ -178,7 +248,7 @@ pub mod avx512 {
     pub unsafe fn run_panels(c: &Linear, lo: usize, hi: usize) {
         let mut p = lo;
         while p < hi {
-            let two = c.rows > MR && p + 1 < hi;
+            let two = (c.rows > MR || c.glu) && p + 1 < hi; // gated: always a gate / up pair
             let mut m0 = 0;
             while m0 < c.rows {
                 let pf = m0 == 0; // later chunks find the panel in L1/L2
@@ -296,6 +366,7 @@ mod tests {
                             },
                             out: out.as_mut_ptr(),
                             out_stride: n,
+                            glu: false,
                         };
                         unsafe { run_panels(&c, 0, c.panels(), portable) };
                         assert_eq!(out[rows * n], 0xabcd);
@@ -316,6 +387,71 @@ mod tests {
                                     "{n}x{k} rows {rows} {m},{j}: {got} vs {r}"
                                 );
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Gated: gate and up packed as alternating panels; both paths against silu(g) * u from
+    /// fp64 sums (each rounded to bf16 first, as the plain product's output is).
+    #[test]
+    fn gated_linear_matches_reference() {
+        let mut seed = 11u64;
+        for &(i_out, k) in &[(64usize, 96usize), (37, 30), (96, 576)] {
+            let gate: Vec<u16> = (0..i_out * k)
+                .map(|_| f32_to_bf16(lcg(&mut seed)))
+                .collect();
+            let up: Vec<u16> = (0..i_out * k)
+                .map(|_| f32_to_bf16(lcg(&mut seed)))
+                .collect();
+            let half = i_out.div_ceil(NB) * k / 2 * NB;
+            let (mut pg, mut pu) = (vec![0u32; half], vec![0u32; half]);
+            unsafe {
+                pack(gate.as_ptr(), k, i_out, k, pg.as_mut_ptr());
+                pack(up.as_ptr(), k, i_out, k, pu.as_mut_ptr());
+            }
+            let panel = k / 2 * NB;
+            let mut packed = Vec::with_capacity(2 * half);
+            for p in 0..i_out.div_ceil(NB) {
+                packed.extend_from_slice(&pg[p * panel..(p + 1) * panel]);
+                packed.extend_from_slice(&pu[p * panel..(p + 1) * panel]);
+            }
+            for rows in (1..=13).chain([19]) {
+                let x: Vec<u16> = (0..rows * k).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
+                for portable in [true, false] {
+                    let mut out = vec![0u16; rows * i_out + 1];
+                    out[rows * i_out] = 0xabcd;
+                    let c = Linear {
+                        x: x.as_ptr(),
+                        x_stride: k,
+                        rows,
+                        k,
+                        w: packed.as_ptr(),
+                        n_out: i_out,
+                        bias: std::ptr::null(),
+                        out: out.as_mut_ptr(),
+                        out_stride: i_out,
+                        glu: true,
+                    };
+                    unsafe { run_panels(&c, 0, c.panels(), portable) };
+                    assert_eq!(out[rows * i_out], 0xabcd);
+                    for m in 0..rows {
+                        for j in 0..i_out {
+                            let (mut g, mut u) = (0f64, 0f64);
+                            for t in 0..k {
+                                let xv = bf16_to_f32(x[m * k + t]) as f64;
+                                g += xv * bf16_to_f32(gate[j * k + t]) as f64;
+                                u += xv * bf16_to_f32(up[j * k + t]) as f64;
+                            }
+                            let want = g / (1.0 + (-g).exp()) * u;
+                            let got = bf16_to_f32(out[m * i_out + j]) as f64;
+                            let tol = 2e-2 * want.abs().max(0.02) + 2e-3;
+                            assert!(
+                                (got - want).abs() <= tol,
+                                "{i_out}x{k} rows {rows} {m},{j}: {got} vs {want} ({portable})"
+                            );
                         }
                     }
                 }

@@ -254,7 +254,7 @@ fn elementwise(
 
 /// Small-batch bf16 linear over a packed weight (`kvcore_kernels.linear_cpu`); releases the GIL.
 #[pyfunction]
-#[pyo3(signature = (x, x_stride, rows, k, w, n_out, bias, out, out_stride, threads, mode, portable))]
+#[pyo3(signature = (x, x_stride, rows, k, w, n_out, bias, out, out_stride, threads, mode, portable, glu=false))]
 #[allow(clippy::too_many_arguments)]
 fn linear(
     py: Python<'_>,
@@ -270,12 +270,18 @@ fn linear(
     threads: usize,
     mode: u8,
     portable: bool,
+    glu: bool,
 ) -> PyResult<()> {
     if k == 0 || k % 2 != 0 || n_out == 0 || x_stride < k || out_stride < n_out {
         return Err(PyValueError::new_err(format!(
             "linear: k {k} must be even and > 0, n_out {n_out} > 0, strides {x_stride} >= k \
              and {out_stride} >= n_out"
         )));
+    }
+    if glu && bias != 0 {
+        return Err(PyValueError::new_err(
+            "linear: a gated (glu) call takes no bias",
+        ));
     }
     let mode = mode_of(mode)?;
     let c = crate::linear::Linear {
@@ -288,6 +294,7 @@ fn linear(
         bias: bias as *const u16,
         out: out as *mut u16,
         out_stride,
+        glu,
     };
     py.detach(|| unsafe { crate::run_linear(&c, threads, mode, portable) })
         .map_err(|_| PyRuntimeError::new_err("the native linear panicked"))

@@ -35,7 +35,7 @@ from torch import nn
 
 from kvcore.models.layers.activation import ActAndMul
 from kvcore.models.layers.attention import Attention, StepAttention
-from kvcore.models.layers.linear import Linear, MergedLinear
+from kvcore.models.layers.linear import Linear, MergedLinear, gate_up_act
 from kvcore.models.layers.norm import RMSNorm
 from kvcore.models.layers.rotary import Rotary, apply_rotary, rotary_from
 from kvcore.models.windows import layer_windows
@@ -126,7 +126,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(i, spec.hidden, bias=spec.mlp_bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(h)))
+        return self.down_proj(gate_up_act(self.gate_up_proj, self.act, h))
 
 
 class LlamaDecoderLayer(nn.Module):

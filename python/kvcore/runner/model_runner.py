@@ -188,12 +188,12 @@ class ModelRunner:
         if self.native is not None and self.device.type == "cpu" and not self.compile:
             self.prepacked_bytes = prepack_linears(self.native)
             if self.prepacked_bytes:
-                mods = [m for m in self.native.modules() if hasattr(m, "small")]
+                mods = [m for m in self.native.modules() if hasattr(m, "gated")]
                 logger.info(
                     "kvcore: bf16 linear weights prepacked (%.0f MiB): %d for kvcore's kernel, "
                     "%d for oneDNN",
                     self.prepacked_bytes / 2**20,
-                    sum(m.small is not None for m in mods),
+                    sum(m.small is not None or m.gated is not None for m in mods),
                     sum(m.packed is not None for m in mods),
                 )
         self.compile_stats = CompileStats()

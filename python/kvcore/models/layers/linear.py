@@ -31,6 +31,13 @@ oneDNN's packed copy (the same memory as before); with AMX it takes calls of up 
 rows beside oneDNN's copy. A row's result does not depend on the batch it runs in (one order of
 the sum per row); its bits may differ from oneDNN's in the last place. ``KVCORE_SMALL_LINEAR=0``
 turns it off (oneDNN's packed copy again).
+
+**Gate-up with SiLU, fused** (``gate_up_act``): where an MLP's activation is SiLU and its gate-up
+projection has no bias, ``prepack_linears`` packs that weight gated (gate panel ``i`` next to up
+panel ``i``) in place of the plain native copy, and the kernel writes ``silu(gate) * up`` from
+its sums: the ``[T, 2I]`` product is neither written nor read again, and the bits are those of
+the plain product followed by ``ops_cpu.silu_and_mul`` (the same roundings).
+``KVCORE_FUSED_GATE_UP=0`` keeps the two steps.
 """
 
 from __future__ import annotations
@@ -85,33 +92,64 @@ def can_pack_small() -> bool:
 
 def prepack_linears(model: nn.Module) -> int:
     """Pack the weight of every ``Linear`` / ``MergedLinear`` of ``model`` that is bf16 on the
-    CPU for the native kernel where ``can_pack_small()``, and for oneDNN where rows are left to
-    it (``SMALL_ROWS``; see the module docstring); returns the bytes packed (0 when none or when
-    both are off). Packing again re-packs (after a weight changed). ``KVCORE_PREPACK=0`` turns
-    both off."""
+    CPU for the native kernel where ``can_pack_small()`` (gated, for a SiLU MLP's gate-up:
+    ``gate_up_act``), and for oneDNN where rows are left to it (``SMALL_ROWS``; see the module
+    docstring); returns the bytes packed (0 when none or when both are off). Packing again
+    re-packs (after a weight changed). ``KVCORE_PREPACK=0`` turns both off."""
     if os.environ.get("KVCORE_PREPACK", "1") in ("0", ""):
         return 0
     dnn, small = can_prepack(), can_pack_small()
     if not (dnn or small):
         return 0
+    fuse = os.environ.get("KVCORE_FUSED_GATE_UP", "1") not in ("0", "")
+    gated = {id(m.gate_up_proj) for m in model.modules() if fuse and _silu_gate_up(m)}
     total = 0
     for mod in model.modules():
         if not isinstance(mod, (MergedLinear, Linear)):
             continue
+        mod.gated = None
         w = mod.weight
         if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2:
             mod.packed = mod.small = None
             continue
         fits = small and w.shape[1] % 2 == 0 and (mod.bias is None or mod.bias.dtype == w.dtype)
         mod.small = linear_cpu.pack_linear(w.detach()) if fits else None
+        if mod.small is not None and id(mod) in gated:
+            mod.gated, mod.small = linear_cpu.pack_linear(w.detach(), glu=True), None
         # oneDNN's copy: for the rows the native kernel does not take (all, if it cannot run)
         mod.packed = None
         if dnn and (not fits or SMALL_ROWS is not None):
             mod.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
             total += w.numel() * w.element_size()
-        if mod.small is not None:
-            total += mod.small.nbytes
+        for packed in (mod.small, mod.gated):
+            total += packed.nbytes if packed is not None else 0
     return total
+
+
+def _silu_gate_up(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` is ``act(gate_up_proj(x))`` with SiLU on a bias-free two-way gate-up."""
+    gate_up, act = getattr(mlp, "gate_up_proj", None), getattr(mlp, "act", None)
+    return (
+        isinstance(gate_up, MergedLinear)
+        and gate_up.bias is None
+        and len(gate_up.output_sizes) == 2
+        and gate_up.output_sizes[0] == gate_up.output_sizes[1]
+        and getattr(act, "name", None) == "silu"
+    )
+
+
+def gate_up_act(gate_up: MergedLinear, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``act(gate_up(x))``: one call of the native kernel on the gated weight where
+    ``prepack_linears`` made one (and the rows are the kernel's), else the two steps."""
+    gated = getattr(gate_up, "gated", None)
+    if (
+        gated is not None
+        and not torch.compiler.is_compiling()
+        and x.dim() == 2
+        and (SMALL_ROWS is None or x.shape[0] <= SMALL_ROWS)
+    ):
+        return linear_cpu.linear(x, gated)
+    return act(gate_up(x))
 
 
 class MergedLinear(nn.Module):
@@ -126,6 +164,7 @@ class MergedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # prepack_linears: oneDNN's copy of weight
         self.small: linear_cpu.PackedLinear | None = None  # ... and the native kernel's
+        self.gated: linear_cpu.PackedLinear | None = None  # ... or its gated one (gate_up_act)
 
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Copy checkpoint tensor ``tensor`` (``name``: weight or bias) into shard ``shard``'s
@@ -151,6 +190,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # prepack_linears: oneDNN's copy of weight
         self.small: linear_cpu.PackedLinear | None = None  # ... and the native kernel's
+        self.gated: linear_cpu.PackedLinear | None = None  # never set on a plain Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self)
