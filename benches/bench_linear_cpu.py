@@ -14,7 +14,13 @@ in order, so each weight streams from memory as in a real step (~270 MB), at 1-1
 oneDNN prepacked (``F.linear`` for one row, as the forward did before) against the native
 kernel, interleaved, median of ``--step-reps``; ``native_step_speedup_min/max``.
 
+The gated gate-up (``--gated``): the 30 layers' gate-up weights (streaming from memory as in a
+step) at 1-2,048 rows, the plain native product followed by ``ops_cpu.silu_and_mul`` against
+the gated pack's one call (``linear_cpu.pack_linear(w, glu=True)``), outputs checked equal,
+interleaved; ``gated_speedup_min/max``.
+
     python benches/bench_linear_cpu.py [--threads 2] [--reps 40] [--step-reps 9] [--no-shapes]
+        [--gated]
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from bench_attention import interleaved
 from kvcore.models.layers.linear import can_prepack
-from kvcore_kernels import linear_cpu
+from kvcore_kernels import linear_cpu, ops_cpu
 
 # (name, in, out): SmolLM2-135M's fused q/k/v, o, fused gate/up, down and the LM head
 SHAPES = [
@@ -81,6 +87,41 @@ def decode_step(gen: torch.Generator, reps: int) -> list[float]:
     return speedups
 
 
+GATED_ROWS = [1, 8, 48, 512, 2048]
+
+
+def gated(gen: torch.Generator, reps: int) -> list[float]:
+    """SmolLM2's 30 gate-up weights: plain native product + ``silu_and_mul`` against the gated
+    pack, per row count; returns the speedups."""
+    ws = [(torch.randn(3072, 576, generator=gen) * 576**-0.5).bfloat16() for _ in range(LAYERS)]
+    plain = [linear_cpu.pack_linear(w) for w in ws]
+    fused = [linear_cpu.pack_linear(w, glu=True) for w in ws]
+    speedups = []
+    for m in GATED_ROWS:
+        x = torch.randn(m, 576, generator=gen).bfloat16()
+        for p, g in zip(plain[:2], fused[:2], strict=True):
+            want = ops_cpu.silu_and_mul(linear_cpu.linear(x, p))
+            assert torch.equal(want, linear_cpu.linear(x, g))
+
+        def two_steps(x=x) -> None:
+            for p in plain:
+                ops_cpu.silu_and_mul(linear_cpu.linear(x, p))
+
+        def one_call(x=x) -> None:
+            for g in fused:
+                linear_cpu.linear(x, g)
+
+        ms = interleaved({"two": two_steps, "gated": one_call}, reps)
+        a, b = ms["two"][0] / LAYERS, ms["gated"][0] / LAYERS  # ms per layer
+        speedups.append(a / b)
+        print(
+            f"gate-up + SiLU, {m:4d} rows: product + silu_and_mul {a * 1e3:8.1f} us, gated "
+            f"{b * 1e3:8.1f} us, speedup {a / b:4.2f}x",
+            flush=True,
+        )
+    return speedups
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -88,6 +129,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-reps", type=int, default=9)
     ap.add_argument("--no-shapes", action="store_true", help="only the decode-step table")
+    ap.add_argument("--gated", action="store_true", help="and the gated gate-up table")
     args = ap.parse_args()
     if not can_prepack():
         raise SystemExit("this torch has no oneDNN packed linear (or KVCORE_PREPACK=0)")
@@ -144,6 +186,10 @@ def main() -> None:
         step = decode_step(gen, args.step_reps)
         print(f"native_step_speedup_min: {min(step):.2f} x")
         print(f"native_step_speedup_max: {max(step):.2f} x")
+        if args.gated:
+            fused = gated(gen, args.step_reps)
+            print(f"gated_speedup_min: {min(fused):.2f} x")
+            print(f"gated_speedup_max: {max(fused):.2f} x")
     else:
         print("native small-batch kernel: no AVX-512 BF16 on this CPU (not measured)")
 

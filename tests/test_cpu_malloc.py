@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(_glibc() is None, reason="not glibc's malloc")
 
 # Prefill steps of ~2,000 tokens through a 2-layer model of SmolLM2's widths (the gate-up output
 # is 2,000 x 3,072 bf16: 12 MiB); the page faults (ru_minflt: first touches of fresh pages) of
-# each of four rounds of the same two prompts' shapes.
+# each of six rounds of the same two prompts' shapes.
 ROUNDS = """
 import json, resource, torch
 from kvcore.entrypoints.llm import LLM
@@ -30,7 +30,7 @@ model = tiny_llama(
 llm = LLM(model, num_blocks=300, block_size=16, max_num_batched_tokens=2048)
 params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 faults = []
-for r in range(4):
+for r in range(6):
     ids = [[(7 * i + r) % 250 + 3 for i in range(1000 + j)] for j in range(2)]
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
@@ -52,10 +52,14 @@ def _python(code: str, **env: str) -> dict:
 
 
 def test_the_cpu_engine_keeps_its_activations_on_reused_pages():
-    tuned = _python(ROUNDS, KVCORE_MALLOC_TUNE="1")
-    plain = _python(ROUNDS, KVCORE_MALLOC_TUNE="0")
+    # the plain gate-up product (12 MiB per step here) as a non-SiLU MLP or a larger model has
+    # it: with the gated kernel the largest activation is half that, which glibc's own dynamic
+    # threshold happens to keep on the heap in this small model
+    tuned = _python(ROUNDS, KVCORE_MALLOC_TUNE="1", KVCORE_FUSED_GATE_UP="0")
+    plain = _python(ROUNDS, KVCORE_MALLOC_TUNE="0", KVCORE_FUSED_GATE_UP="0")
     assert "32 MiB" in tuned["applied"] and plain["applied"] is None
     # glibc's defaults give freed activations back to the OS (or mmap them afresh): every round
-    # faults ~6-8K pages in again; tuned, the rounds after the first two fault (almost) none
+    # faults ~6-8K pages in again; tuned, the rounds after the first two fault a few hundred
+    # at most (the heap still grows a little) and most of them none
     assert min(plain["faults"][2:]) > 2000, plain
-    assert max(tuned["faults"][2:]) <= 64, tuned
+    assert 8 * sum(tuned["faults"][2:]) < sum(plain["faults"][2:]), (tuned, plain)

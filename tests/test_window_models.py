@@ -17,6 +17,7 @@ from kvcore.models.loader import MODEL_NAMES, check_supported, load_model
 from kvcore.models.tiny import TINY_WINDOW, TINY_WINDOW_MODELS, tiny_window_model
 from kvcore.models.windows import layer_windows, visible_tokens, window_groups
 from kvcore.tools.planner import geometry
+from kvcore_kernels import cpu_native
 from test_engine import VOCAB, _greedy, _prompts
 
 # retention="full" (every block kept) once LLM takes a retention policy (issue 12): these tests
@@ -61,17 +62,38 @@ def _reference(model, prompt, max_tokens):
     return hf_greedy(model, prompt, max_tokens, attn="eager", pad_token_id=0)
 
 
+def _wrap_attention(monkeypatch, wrap):
+    """Route every paged attention call through ``wrap(kwargs)`` (which may change them): the
+    checked entry point ``kvcore_kernels.paged_attention``, and the native kernel's
+    ``cpu_native.run`` where a step's ``LayerCalls`` goes to it straight (the checked calls
+    reach it too: those are wrapped once, at the entry point)."""
+    inside = []
+    real, real_run = kvcore_kernels.paged_attention, cpu_native.run
+
+    def entry(*args, **kwargs):
+        inside.append(1)
+        try:
+            return real(*args, **wrap(kwargs))
+        finally:
+            inside.pop()
+
+    def run(*args, **kwargs):
+        return real_run(*args, **(kwargs if inside else wrap(kwargs)))
+
+    monkeypatch.setattr(kvcore_kernels, "paged_attention", entry)
+    monkeypatch.setattr(cpu_native, "run", run)
+
+
 @pytest.fixture
 def recorded(monkeypatch):
     """Every (sliding_window, soft_cap) the paged attention kernel is called with, in order."""
     calls = []
-    real = kvcore_kernels.paged_attention
 
-    def spy(*args, sliding_window=None, soft_cap=None, **kwargs):
-        calls.append((sliding_window, soft_cap))
-        return real(*args, sliding_window=sliding_window, soft_cap=soft_cap, **kwargs)
+    def record(kwargs):
+        calls.append((kwargs.get("sliding_window"), kwargs.get("soft_cap")))
+        return kwargs
 
-    monkeypatch.setattr(kvcore_kernels, "paged_attention", spy)
+    _wrap_attention(monkeypatch, record)
     return calls
 
 
@@ -110,12 +132,7 @@ def test_without_the_window_the_tokens_differ(name, monkeypatch):
     (every layer global) no longer matches generate on the long prompts."""
     model = _small(name)
     prompts = _prompts([80, 64], seed=34)
-    real = kvcore_kernels.paged_attention
-
-    def no_window(*args, sliding_window=None, **kwargs):
-        return real(*args, sliding_window=None, **kwargs)
-
-    monkeypatch.setattr(kvcore_kernels, "paged_attention", no_window)
+    _wrap_attention(monkeypatch, lambda kwargs: {**kwargs, "sliding_window": None})
     _, got = _run(model, prompts, [24, 24])
     assert any(t != _reference(model, p, 24) for t, p in zip(got, prompts, strict=True))
 

@@ -8,13 +8,16 @@ constants. It does what the transformers backend's function does, without the la
 * op path (compiled forward, CUDA graphs): the custom op ``kvcore::paged_attention`` (store K/V
   and attend in one opaque node per layer; ``kvcore.runner.attention_op``);
 * eager path: ``kvcore_kernels.store_kv`` + ``kvcore_kernels.paged_attention`` with the step's
-  ``AttentionMetadata``, KV cache groups (``kvcore.retention.release``) and H2O's block mass.
+  ``AttentionMetadata``, KV cache groups (``kvcore.retention.release``) and H2O's block mass;
+  with backend "auto" and no mass through ``LayerCalls``, which checks the arguments on the
+  step's first layer of each geometry and sends the others straight to the native kernel.
 """
 
 from __future__ import annotations
 
 import kvcore_kernels
 import torch
+from kvcore_kernels.attention_cpu import LayerCalls
 
 from kvcore.runner.attention import AttentionContext
 from kvcore.runner.attention_op import paged_attention as paged_attention_op
@@ -23,10 +26,12 @@ from kvcore.runner.attention_op import paged_attention as paged_attention_op
 class NativeStep:
     """``models.layers.attention.StepAttention`` over one step's ``AttentionContext``."""
 
-    __slots__ = ("ctx",)
+    __slots__ = ("calls", "ctx")
 
     def __init__(self, ctx: AttentionContext):
         self.ctx = ctx
+        # the step's layers share their checks (kvcore_kernels.attention_cpu.LayerCalls)
+        self.calls = LayerCalls() if ctx.backend == "auto" else None
 
     def __call__(
         self,
@@ -64,6 +69,11 @@ class NativeStep:
             group = ctx.layer_group[layer_idx]
             meta, slots = ctx.group_metas[group - 1], ctx.group_slots[group - 1]
             mass = None  # as the transformers backend: local groups add no mass
+        if self.calls is not None and mass is None:
+            return self.calls(
+                q, k, v, cache, slots, meta,
+                scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            )  # fmt: skip
         kvcore_kernels.store_kv(k, v, cache, slots, backend=ctx.backend, meta=meta)
         return kvcore_kernels.paged_attention(
             q,
