@@ -1,5 +1,7 @@
 """Where the offline SmolLM2 job's wall time goes: GEMMs, attention (prefill and decode steps),
-the K/V store, the rest. Issue 24/25's workload (``bench_vs_vllm_cpu.workload``: 48 prompts of
+the K/V store, the rest (the attention and store of a step's layers through
+``attention_cpu.LayerCalls`` counted as attention; a gated gate-up as a GEMM). Issue 24/25's
+workload (``bench_vs_vllm_cpu.workload``: 48 prompts of
 128-384 random token ids, optionally after one shared 512-token prefix, 64 greedy tokens, EOS
 ignored), eager, kvcore's own model code. Each call is timed from Python by wrapping it (no
 profiler: its per-op cost would inflate the small ops), so the shares add up to the job's wall.
@@ -21,13 +23,23 @@ from kvcore_kernels import cpu_native
 TIMES: collections.Counter = collections.Counter()
 
 
+_INSIDE: set[str] = set()
+
+
 def timed(name: str, fn: Any) -> Any:
+    """``fn`` with its time added to ``TIMES[name]`` (a call nested in one of the same name,
+    such as a linear inside an unfused gate-up, counts once)."""
+
     def call(*args: Any, **kwargs: Any) -> Any:
+        if name in _INSIDE:
+            return fn(*args, **kwargs)
+        _INSIDE.add(name)
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             TIMES[name] += time.perf_counter() - t0
+            _INSIDE.discard(name)
 
     return call
 
@@ -58,13 +70,28 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    import kvcore.models.gemma as gemma
     import kvcore.models.layers.linear as linear
+    import kvcore.models.llama as llama
     import kvcore.runner.native as native
     from bench_vs_vllm_cpu import workload
     from kvcore.entrypoints.llm import LLM
     from kvcore.params import SamplingParams
+    from kvcore_kernels.attention_cpu import LayerCalls
 
     native.kvcore_kernels = _TimedKernels()  # type: ignore[assignment]
+
+    class TimedLayerCalls(LayerCalls):  # a step's layers after its first: the kernels straight
+        __slots__ = ()
+
+        def __call__(self, q, k, v, cache, slots, meta, **kwargs):  # type: ignore[override]
+            kind = "decode" if q.shape[0] == meta.seq_lens.numel() else "prefill"
+            call = super().__call__
+            return timed(f"attention, {kind} steps", call)(q, k, v, cache, slots, meta, **kwargs)
+
+    native.LayerCalls = TimedLayerCalls  # type: ignore[misc]
+    for mod in (llama, gemma):  # the gated gate-up (one kernel call) is a GEMM too
+        mod.gate_up_act = timed("GEMMs (linear layers)", mod.gate_up_act)  # type: ignore[attr-defined]
     cascade = collections.Counter()
     build = cpu_native._build
 
