@@ -1,6 +1,6 @@
 """A decode step's K/V store + attention over 30 layers (SmolLM2's GQA 9/3, head dim 64, bf16,
 256 cached tokens per request), through the checked entry points (``store_kv`` +
-``paged_attention`` per layer) against ``attention_cpu.LayerCalls`` (checks once per step and
+``paged_attention`` per layer) against ``step_calls.LayerCalls`` (checks once per step and
 geometry), interleaved, medians; prints the time per layer and what the checks cost per step.
 
     python benches/bench_layer_calls.py [--threads 2] [--rounds 30] [--seed 0]
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import kvcore_kernels as kk
 import torch
-from kvcore_kernels import attention_cpu
+from kvcore_kernels import step_calls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 from kernel_reference import make_batch  # noqa: E402
@@ -40,7 +40,7 @@ def measure(batch: int, gen: torch.Generator, rounds: int) -> tuple[float, float
             kk.paged_attention(b.query, cache, meta, scale=0.125)
 
     def layer_calls() -> None:
-        calls = attention_cpu.LayerCalls()
+        calls = step_calls.LayerCalls()
         for cache in caches:
             calls(b.query, k, v, cache, slots, meta, scale=0.125)
 

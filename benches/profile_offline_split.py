@@ -1,6 +1,6 @@
 """Where the offline SmolLM2 job's wall time goes: GEMMs, attention (prefill and decode steps),
 the K/V store, the rest (the attention and store of a step's layers through
-``attention_cpu.LayerCalls`` counted as attention; a gated gate-up as a GEMM). Issue 24/25's
+``step_calls.LayerCalls`` counted as attention; a gated gate-up as a GEMM). Issue 24/25's
 workload (``bench_vs_vllm_cpu.workload``: 48 prompts of
 128-384 random token ids, optionally after one shared 512-token prefix, 64 greedy tokens, EOS
 ignored), eager, kvcore's own model code. Each call is timed from Python by wrapping it (no
@@ -77,7 +77,7 @@ def main() -> None:
     from bench_vs_vllm_cpu import workload
     from kvcore.entrypoints.llm import LLM
     from kvcore.params import SamplingParams
-    from kvcore_kernels.attention_cpu import LayerCalls
+    from kvcore_kernels.step_calls import LayerCalls
 
     native.kvcore_kernels = _TimedKernels()  # type: ignore[assignment]
 

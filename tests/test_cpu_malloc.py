@@ -58,8 +58,8 @@ def test_the_cpu_engine_keeps_its_activations_on_reused_pages():
     tuned = _python(ROUNDS, KVCORE_MALLOC_TUNE="1", KVCORE_FUSED_GATE_UP="0")
     plain = _python(ROUNDS, KVCORE_MALLOC_TUNE="0", KVCORE_FUSED_GATE_UP="0")
     assert "32 MiB" in tuned["applied"] and plain["applied"] is None
-    # glibc's defaults give freed activations back to the OS (or mmap them afresh): every round
-    # faults ~6-8K pages in again; tuned, the rounds after the first two fault a few hundred
-    # at most (the heap still grows a little) and most of them none
-    assert min(plain["faults"][2:]) > 2000, plain
+    # glibc's defaults give freed activations back to the OS (or mmap them afresh): most rounds
+    # fault thousands of pages in again (how many moves with its own threshold's history);
+    # tuned, the rounds after the first two fault a few hundred at most, most of them none
+    assert sum(plain["faults"][2:]) > 8000, plain
     assert 8 * sum(tuned["faults"][2:]) < sum(plain["faults"][2:]), (tuned, plain)

@@ -26,7 +26,8 @@ LAYERS = {
     "attention_cpu": 3, "quant.attention_cpu": 3,
     "mla.attention": 4, "quant.attention": 4, "quant.store": 4, "quant.blocks": 4,
     "attention": 5, "store": 5, "ops_cpu": 5, "linear_cpu": 5,
-    "__init__": 6, "quant.__init__": 6, "mla.__init__": 6,
+    "step_calls": 6,
+    "__init__": 7, "quant.__init__": 7, "mla.__init__": 7,
 }  # fmt: skip
 SAME_LAYER_OK = (0, 1, 2)  # backends never import backends, dispatchers never dispatchers
 

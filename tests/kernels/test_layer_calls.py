@@ -1,4 +1,4 @@
-"""``attention_cpu.LayerCalls``: a step's K/V store + attention for every layer, the argument
+"""``step_calls.LayerCalls``: a step's K/V store + attention for every layer, the argument
 checks done on the first layer of each geometry. Same outputs and caches as the checked entry
 points (``store_kv`` + ``paged_attention``) layer by layer, geometry changes mid-step (a sliding
 window on every other layer), the checks really skipped, bad slots still refused before any
@@ -10,7 +10,7 @@ import kvcore_kernels as kk
 import pytest
 import torch
 from kernel_reference import make_batch
-from kvcore_kernels import attention_cpu, cpu_native
+from kvcore_kernels import attention_cpu, cpu_native, step_calls
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.quant import allocate_kv_caches
 
@@ -49,7 +49,7 @@ def test_layer_calls_match_the_checked_calls_layer_by_layer(dtype, slot_dtype):
     slots = slots.to(slot_dtype)
     fast_caches = [cache.clone() for _ in layers]
     checked_caches = [cache.clone() for _ in layers]
-    calls = attention_cpu.LayerCalls()
+    calls = step_calls.LayerCalls()
     for i, (q, k, v) in enumerate(layers):
         window = 6 if i % 2 else None  # two geometries, alternating
         got = calls(q, k, v, fast_caches[i], slots, meta, scale=0.125, sliding_window=window)
@@ -70,7 +70,7 @@ def test_the_checks_run_once_per_geometry(monkeypatch):
         return check(*a, **kw)
 
     monkeypatch.setattr(attention_cpu, "check_attention_args", counting)
-    calls = attention_cpu.LayerCalls()
+    calls = step_calls.LayerCalls()
     for q, k, v in layers:
         calls(q, k, v, cache.clone(), slots, meta, scale=0.125)
     assert len(counted) == 1
@@ -78,7 +78,7 @@ def test_the_checks_run_once_per_geometry(monkeypatch):
 
 def test_a_bad_slot_is_refused_before_any_write_on_the_fast_path():
     cache, meta, slots, layers = _step(2, torch.bfloat16, 2)
-    calls = attention_cpu.LayerCalls()
+    calls = step_calls.LayerCalls()
     (q, k, v), (q2, k2, v2) = layers
     calls(q, k, v, cache.clone(), slots, meta, scale=0.125)
     second = cache.clone()
@@ -91,7 +91,7 @@ def test_a_bad_slot_is_refused_before_any_write_on_the_fast_path():
 def test_quantized_caches_take_the_checked_path():
     cache, meta, slots, layers = _step(3, torch.bfloat16, 2)
     nb, _, bs, hk, d = cache.shape
-    calls = attention_cpu.LayerCalls()
+    calls = step_calls.LayerCalls()
     for q, k, v in layers:
         a, b = allocate_kv_caches("int8", 2, nb, bs, hk, d, torch.bfloat16, "cpu")
         got = calls(q, k, v, a, slots, meta, scale=0.125)

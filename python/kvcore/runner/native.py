@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import kvcore_kernels
 import torch
-from kvcore_kernels.attention_cpu import LayerCalls
+from kvcore_kernels.step_calls import LayerCalls
 
 from kvcore.runner.attention import AttentionContext
 from kvcore.runner.attention_op import paged_attention as paged_attention_op
@@ -30,7 +30,7 @@ class NativeStep:
 
     def __init__(self, ctx: AttentionContext):
         self.ctx = ctx
-        # the step's layers share their checks (kvcore_kernels.attention_cpu.LayerCalls)
+        # the step's layers share their checks (kvcore_kernels.step_calls.LayerCalls)
         self.calls = LayerCalls() if ctx.backend == "auto" else None
 
     def __call__(
