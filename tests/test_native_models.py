@@ -106,7 +106,23 @@ def test_weights_are_shared_not_copied():
     assert native.lm_head.weight.data_ptr() == hf.lm_head.weight.data_ptr()
 
 
-@pytest.mark.skipif(not can_prepack(), reason="this torch has no oneDNN packed linear")
+def test_can_prepack_only_where_onednn_relays_a_bf16_weight(monkeypatch):
+    """An AVX2-only CPU (Zen 3) has oneDNN but refuses its bf16 re-lay: a bf16 engine then
+    keeps F.linear instead of failing to start (it did, from ``prepack_linears``)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16))
+        takes = torch.backends.mkldnn.is_available()
+    except (RuntimeError, AttributeError):
+        takes = False
+    assert can_prepack() == takes
+    model = tiny_llama(seed=3, dtype=torch.bfloat16, **SMALL)
+    monkeypatch.setattr(linear_mod, "_onednn_packs_bf16", lambda: False)
+    monkeypatch.setenv("KVCORE_SMALL_LINEAR", "0")
+    llm, got = _run(model, [[5, 6, 7, 8, 9]])
+    assert llm.engine.runner.prepacked_bytes == 0 and len(got[0]) > 0
+
+
+@pytest.mark.skipif(not can_prepack(), reason="oneDNN packs no bf16 weight here (this torch or CPU)")
 def test_prepacked_bf16_linears_give_the_same_bits(monkeypatch):
     monkeypatch.setenv("KVCORE_SMALL_LINEAR", "0")  # oneDNN's packed copy alone (next test: both)
     hf = _hf("tiny-gemma3", dtype=torch.bfloat16)
@@ -199,7 +215,7 @@ def test_silu_gate_up_runs_gated_with_the_two_step_bits(name):
             assert got.shape == (rows, mlp.gate_up_proj.output_sizes[0])
 
 
-@pytest.mark.skipif(not can_prepack(), reason="this torch has no oneDNN packed linear")
+@pytest.mark.skipif(not can_prepack(), reason="oneDNN packs no bf16 weight here (this torch or CPU)")
 def test_engine_prepacks_bf16_on_the_cpu_and_keeps_its_tokens(monkeypatch):
     model = tiny_llama(seed=3, dtype=torch.bfloat16, **SMALL)
     prompts = [np.random.default_rng(i).integers(3, 128, 9 + 5 * i).tolist() for i in range(3)]

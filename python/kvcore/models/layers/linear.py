@@ -42,6 +42,7 @@ the plain product followed by ``ops_cpu.silu_and_mul`` (the same roundings).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -71,15 +72,30 @@ def _linear(x: torch.Tensor, mod: MergedLinear | Linear) -> torch.Tensor:
 
 
 def can_prepack() -> bool:
-    """Whether this torch has oneDNN's packed linear (``KVCORE_PREPACK=0`` turns it off)."""
+    """Whether oneDNN's packed bf16 linear runs here (``KVCORE_PREPACK=0`` turns it off)."""
     if os.environ.get("KVCORE_PREPACK", "1") in ("0", ""):
         return False
+    return _onednn_packs_bf16()
+
+
+@functools.cache
+def _onednn_packs_bf16() -> bool:
+    """Whether this torch has oneDNN's packed linear and this CPU lets it re-lay a bf16 weight:
+    oneDNN refuses without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT (an AVX2-only Zen 3 raises
+    "bf16 path needs the cpu support ..."), and ``F.linear`` then stays. Probed once, on a
+    16 x 16 weight: the call this module makes, so no CPU-flag list to keep in step."""
     ops = torch.ops.mkldnn
-    return bool(
+    if not (
         torch.backends.mkldnn.is_available()
         and hasattr(ops, "_reorder_linear_weight")
         and hasattr(ops, "_linear_pointwise")
-    )
+    ):
+        return False
+    try:
+        ops._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
 
 
 def can_pack_small() -> bool:
