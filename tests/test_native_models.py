@@ -122,7 +122,7 @@ def test_can_prepack_only_where_onednn_relays_a_bf16_weight(monkeypatch):
     assert llm.engine.runner.prepacked_bytes == 0 and len(got[0]) > 0
 
 
-@pytest.mark.skipif(not can_prepack(), reason="oneDNN packs no bf16 weight here (this torch or CPU)")
+@pytest.mark.skipif(not can_prepack(), reason="oneDNN packs no bf16 weight here")
 def test_prepacked_bf16_linears_give_the_same_bits(monkeypatch):
     monkeypatch.setenv("KVCORE_SMALL_LINEAR", "0")  # oneDNN's packed copy alone (next test: both)
     hf = _hf("tiny-gemma3", dtype=torch.bfloat16)
@@ -215,7 +215,7 @@ def test_silu_gate_up_runs_gated_with_the_two_step_bits(name):
             assert got.shape == (rows, mlp.gate_up_proj.output_sizes[0])
 
 
-@pytest.mark.skipif(not can_prepack(), reason="oneDNN packs no bf16 weight here (this torch or CPU)")
+@pytest.mark.skipif(not can_prepack(), reason="oneDNN packs no bf16 weight here")
 def test_engine_prepacks_bf16_on_the_cpu_and_keeps_its_tokens(monkeypatch):
     model = tiny_llama(seed=3, dtype=torch.bfloat16, **SMALL)
     prompts = [np.random.default_rng(i).integers(3, 128, 9 + 5 * i).tolist() for i in range(3)]
