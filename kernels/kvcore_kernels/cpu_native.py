@@ -30,7 +30,9 @@ Threads: by default the kernel runs on torch's own OpenMP team (the address of `
 in the libgomp torch loaded is handed to the extension), with ``torch.get_num_threads()``
 threads, so it never competes with torch's spinning workers. ``KVCORE_NATIVE_THREADS`` =
 ``omp`` | ``rayon`` | ``single`` picks another mode (docs/kernels.md has the measurements);
-``KVCORE_NATIVE_PORTABLE=1`` forces the portable (non-AVX-512) code path;
+The code path is the best this CPU has: AVX-512 (with BF16 dot products where it has them),
+else AVX2 + FMA, else portable; ``KVCORE_NATIVE_ISA=avx2`` caps it at AVX2 and
+``KVCORE_NATIVE_PORTABLE=1`` (or ``KVCORE_NATIVE_ISA=portable``) forces the portable one;
 ``KVCORE_NATIVE_CASCADE=0`` turns cascade items off.
 """
 
@@ -76,21 +78,39 @@ class Options:
 
     mode: str = os.environ.get("KVCORE_NATIVE_THREADS", "omp")
     portable: bool = os.environ.get("KVCORE_NATIVE_PORTABLE", "") not in ("", "0")
+    isa: str = os.environ.get("KVCORE_NATIVE_ISA", "auto")  # auto | avx2 | portable
     split_keys: int | None = None  # tests: split every item into runs of this many keys
     fuse_heads: bool = os.environ.get("KVCORE_NATIVE_FUSE_HEADS", "") not in ("", "0")
     cascade: bool = os.environ.get("KVCORE_NATIVE_CASCADE", "1") not in ("", "0")
 
 
 OPTIONS = Options()
+ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2}  # the extension's ISA_BEST / _PORTABLE / _AVX2
+
+
+def _isa() -> int:
+    """The extension's code of the code path ``OPTIONS`` asks for."""
+    if OPTIONS.portable:
+        return ISA_CODES["portable"]
+    try:
+        return ISA_CODES[OPTIONS.isa]
+    except KeyError:
+        raise KernelConfigError(
+            f"KVCORE_NATIVE_ISA={OPTIONS.isa!r}: expected one of {sorted(ISA_CODES)}"
+        ) from None
 
 
 def features() -> dict[str, bool]:
-    """What the extension found: the AVX-512 path, AVX-512 BF16, torch's ``GOMP_parallel``."""
+    """What the extension found: the AVX-512 path, AVX-512 BF16, the AVX2 path, torch's
+    ``GOMP_parallel``."""
     if _native is None:
         return {"native": False}
     _bind_openmp()
-    avx512, bf16, amx, gomp = _native.features()
-    return {"native": True, "avx512": avx512, "avx512_bf16": bf16, "amx": amx, "omp": gomp}
+    avx512, bf16, amx, gomp, avx2 = _native.features()
+    return {
+        "native": True, "avx512": avx512, "avx512_bf16": bf16, "avx2": avx2, "amx": amx,
+        "omp": gomp,
+    }  # fmt: skip
 
 
 _GOMP_DONE = False
@@ -308,7 +328,7 @@ def run(
         bool(meta.num_released),
         work.work.ctypes.data, len(work.work), work.merges.ctypes.data, len(work.merges),
         work.partial.data_ptr(), work.max_rows,
-        threads, MODES[OPTIONS.mode], OPTIONS.portable, OPTIONS.fuse_heads,
+        threads, MODES[OPTIONS.mode], _isa(), OPTIONS.fuse_heads,
     )  # fmt: skip
     return out
 
@@ -352,7 +372,7 @@ def elementwise(
     _bind_openmp()
     _native.elementwise(
         op, rows, dim, x, x_stride, y, y_stride, w, out, out_stride, float(eps), heads,
-        head_stride, torch.get_num_threads(), MODES[OPTIONS.mode], OPTIONS.portable,
+        head_stride, torch.get_num_threads(), MODES[OPTIONS.mode], _isa(),
     )  # fmt: skip
 
 
@@ -371,5 +391,5 @@ def linear(
     _bind_openmp()
     _native.linear(
         x, x_stride, rows, k, w, n_out, bias, out, out_stride, torch.get_num_threads(),
-        MODES[OPTIONS.mode], OPTIONS.portable, glu,
+        MODES[OPTIONS.mode], _isa() != 0, glu,
     )  # fmt: skip

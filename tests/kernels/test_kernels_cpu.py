@@ -3,7 +3,7 @@
 Every layout the kernel serves (fp32 / bf16 / fp16 caches, int8 and fp8 quantized caches),
 sliding windows, soft-capping, ALiBi, block sizes 8-128 (odd ones too), queries starting
 mid-block, single tokens, requests with no query this step (empty rows), released blocks,
-forced split-KV, both code paths (AVX-512 where the CPU has it, and the portable one) and the
+forced split-KV, every code path the CPU has (AVX-512, AVX2, the portable one) and the
 three thread modes. Batches come from hypothesis; the cache's free slots hold NaN and the output
 starts as NaN (``make_batch``), so a stray read or an unwritten row fails.
 """
@@ -28,11 +28,12 @@ BLOCK_SIZES = [8, 12, 16, 32, 64, 128]
 QUANT = ["int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_tensor"]
 
 
-@pytest.fixture(params=["avx512", "portable"])
+@pytest.fixture(params=["avx512", "avx2", "portable"])
 def path(request, monkeypatch):
-    if request.param == "avx512" and not cpu_native.features().get("avx512"):
-        pytest.skip("no AVX-512 on this CPU")
+    if request.param in ("avx512", "avx2") and not cpu_native.features().get(request.param):
+        pytest.skip(f"no {request.param} path on this CPU")
     monkeypatch.setattr(cpu_native.OPTIONS, "portable", request.param == "portable")
+    monkeypatch.setattr(cpu_native.OPTIONS, "isa", "avx2" if request.param == "avx2" else "auto")
     return request.param
 
 

@@ -1,8 +1,8 @@
 """The native bf16 element-wise ops (``kvcore_kernels.ops_cpu``) against their torch twins:
 rotary bit for bit, RMSNorm's residual sum bit for bit, and its output and SiLU-and-mul within
-one bf16 step of their intermediate (``exp`` and the fp32 sum order may differ), on AVX-512 and
-the portable path, for hypothesis-drawn shapes, strided rows and odd sizes; plus what the
-dispatcher refuses."""
+one bf16 step of their intermediate (``exp`` and the fp32 sum order may differ), on the CPU's best
+path (AVX-512 or AVX2), AVX2 and the portable path, for hypothesis-drawn shapes, strided rows
+and odd sizes; plus what the dispatcher refuses."""
 
 from __future__ import annotations
 
@@ -18,17 +18,18 @@ from kvcore_kernels.errors import KernelConfigError
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native extension not built")
 
 
-PATHS = pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+# the best path of this CPU (AVX-512 or AVX2), at most AVX2, portable
+PATHS = pytest.mark.parametrize("isa", ["auto", "avx2", "portable"])
 
 
 @contextlib.contextmanager
-def _path(portable: bool):
-    before = cpu_native.OPTIONS.portable
-    cpu_native.OPTIONS.portable = portable
+def _path(isa: str):
+    before = cpu_native.OPTIONS.portable, cpu_native.OPTIONS.isa
+    cpu_native.OPTIONS.portable, cpu_native.OPTIONS.isa = False, isa
     try:
         yield
     finally:
-        cpu_native.OPTIONS.portable = before
+        cpu_native.OPTIONS.portable, cpu_native.OPTIONS.isa = before
 
 
 def _bf16(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -57,7 +58,7 @@ SIZES = dict(rows=st.integers(0, 70), seed=st.integers(0, 2**31 - 1))
     pad=st.integers(0, 3),
     **SIZES,
 )
-def test_rms_norm_matches_twin(portable, rows, seed, width, residual, pad):
+def test_rms_norm_matches_twin(isa, rows, seed, width, residual, pad):
     gen = torch.Generator().manual_seed(seed)
     # rows `pad * 16` elements apart beyond the width: strided views, as a slice of a wider buffer
     x = _bf16(gen, rows, width + 16 * pad, scale=3.0)[:, :width]
@@ -68,7 +69,7 @@ def test_rms_norm_matches_twin(portable, rows, seed, width, residual, pad):
     buf[:, :width] = x
     x2 = buf[:, :width]  # the same values, rows as far apart as x's
     res2 = None if res is None else res.clone()
-    with _path(portable):
+    with _path(isa):
         got, got_res = ops_cpu.rms_norm(x2, res2, w, 1e-6, backend="cpu")
     _close_bf16(got, want)
     if residual:
@@ -81,11 +82,11 @@ def test_rms_norm_matches_twin(portable, rows, seed, width, residual, pad):
 @PATHS
 @settings(max_examples=25, deadline=None)
 @given(inter=st.sampled_from([16, 64, 1536]), **SIZES)
-def test_silu_and_mul_matches_twin(portable, rows, seed, inter):
+def test_silu_and_mul_matches_twin(isa, rows, seed, inter):
     gen = torch.Generator().manual_seed(seed)
     gate_up = _bf16(gen, rows, 2 * inter, scale=4.0)
     want = ops_cpu.silu_and_mul_torch(gate_up)
-    with _path(portable):
+    with _path(isa):
         got = ops_cpu.silu_and_mul(gate_up, backend="cpu")
     assert got.shape == want.shape
     _close_bf16(got, want)
@@ -94,7 +95,7 @@ def test_silu_and_mul_matches_twin(portable, rows, seed, inter):
 @PATHS
 @settings(max_examples=25, deadline=None)
 @given(heads=st.integers(1, 12), d=st.sampled_from([32, 64, 128]), extra=st.integers(0, 3), **SIZES)
-def test_rotary_is_bit_exact_in_place(portable, rows, seed, heads, d, extra):
+def test_rotary_is_bit_exact_in_place(isa, rows, seed, heads, d, extra):
     gen = torch.Generator().manual_seed(seed)
     # q and k heads as a view of a fused QKV row: `extra` more heads after them (the V heads)
     qkv = _bf16(gen, rows, (heads + extra) * d, scale=2.0)
@@ -104,7 +105,7 @@ def test_rotary_is_bit_exact_in_place(portable, rows, seed, heads, d, extra):
     cos, sin = freqs.cos().bfloat16(), freqs.sin().bfloat16()
     tail = qkv[:, heads * d :].clone()
     want = ops_cpu.rotary_torch(x, cos, sin)
-    with _path(portable):
+    with _path(isa):
         got = ops_cpu.rotary_(x, cos, sin, backend="cpu")
     assert got.data_ptr() == qkv.data_ptr()
     assert torch.equal(got, want)

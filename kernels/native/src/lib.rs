@@ -5,7 +5,8 @@
 //!
 //! * `attend`: one item (request x KV head x query tokens x key range), the online softmax.
 //! * `cols`: the transposed path of an item with many rows (blocks of 16 rows, AVX-512 BF16).
-//! * `simd`: the 16-lane vector type, AVX-512 or portable, chosen at run time here.
+//! * `simd`: the 16-lane vector type, AVX-512 or portable, chosen at run time here (with
+//!   `avx2`: the same type for AVX2 CPUs without AVX-512).
 //! * `pool`: torch's OpenMP team, a rayon pool or the calling thread.
 //! * `store`: a step's K/V rows written into their cache slots.
 //! * `ops`: row-wise bf16 element-wise ops of a forward (RMSNorm + residual, SiLU-and-mul, rotary).
@@ -21,6 +22,8 @@
 #![allow(clippy::result_unit_err, clippy::manual_is_multiple_of)]
 
 pub mod attend;
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
 pub mod cols;
 pub mod linear;
 pub mod ops;
@@ -52,10 +55,41 @@ pub fn has_avx512() -> bool {
     }
 }
 
+/// Which instance runs (`isa` of `run`, `run_ops`): the best this CPU has (AVX-512, else AVX2,
+/// else portable), the portable one, or at most AVX2 (tests run every path on one CPU).
+pub const ISA_BEST: u8 = 0;
+pub const ISA_PORTABLE: u8 = 1;
+pub const ISA_AVX2: u8 = 2;
+
+/// Whether this CPU has AVX2, FMA and F16C (the `avx2::Avx2` instance).
+pub fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(avx2::has_avx2)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// (AVX-512, AVX2) as `isa` allows on this CPU: at most one is true.
+fn pick_isa(isa: u8) -> (bool, bool) {
+    let avx512 = isa == ISA_BEST && has_avx512();
+    (avx512, !avx512 && isa != ISA_PORTABLE && has_avx2())
+}
+
 type ItemFn = unsafe fn(&Call, usize, (usize, usize), &mut [f32]);
 
 unsafe fn item_portable<const F: u8>(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
     run_item::<Portable, F>(c, item, heads, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn item_avx2<const F: u8>(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
+    run_item::<avx2::Avx2, F>(c, item, heads, s)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -91,7 +125,8 @@ pub fn use_dpbf16() -> bool {
     }
 }
 
-fn item_fn(fmt: attend::Fmt, avx512: bool) -> ItemFn {
+fn item_fn(fmt: attend::Fmt, isa: u8) -> ItemFn {
+    let (avx512, avx2) = pick_isa(isa);
     macro_rules! pick {
         ($f:ident) => {
             match attend::fmt_code(fmt) {
@@ -117,12 +152,17 @@ fn item_fn(fmt: attend::Fmt, avx512: bool) -> ItemFn {
         }
         return pick!(item_avx512);
     }
-    let _ = avx512;
+    #[cfg(target_arch = "x86_64")]
+    if avx2 {
+        return pick!(item_avx2);
+    }
+    let _ = (avx512, avx2);
     pick!(item_portable)
 }
 
 /// Run every work item (all KV heads in one task if `fuse_heads`, else one task per KV head),
-/// then every merge group (one task per KV head).
+/// then every merge group (one task per KV head); `isa`: `ISA_BEST`, `ISA_PORTABLE` or
+/// `ISA_AVX2`.
 ///
 /// # Safety
 /// Every pointer and stride of `c` must describe live memory of the stated shapes; `max_rows`
@@ -134,10 +174,10 @@ pub unsafe fn run(
     max_rows: usize,
     threads: usize,
     mode: pool::Mode,
-    portable: bool,
+    isa: u8,
     fuse_heads: bool,
 ) -> Result<(), ()> {
-    let f = item_fn(c.fmt, !portable && has_avx512());
+    let f = item_fn(c.fmt, isa);
     let hk = c.num_kv_heads;
     let hpt = if fuse_heads { hk } else { 1 }; // KV heads per task
     let per_item = hk / hpt;
@@ -166,16 +206,27 @@ unsafe fn ops_avx512(c: &ops::Rows, lo: usize, hi: usize) {
     ops::run_rows::<simd::Avx512<false>>(c, lo, hi)
 }
 
-/// Rows `lo .. hi` of an element-wise call, AVX-512 where the CPU has it unless `portable`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn ops_avx2(c: &ops::Rows, lo: usize, hi: usize) {
+    ops::run_rows::<avx2::Avx2>(c, lo, hi)
+}
+
+/// Rows `lo .. hi` of an element-wise call on the instance `isa` picks (as `run`).
 ///
 /// # Safety
 /// The pointers and strides of `c` must describe live bf16 rows of the stated shapes.
-pub unsafe fn run_ops_rows(c: &ops::Rows, lo: usize, hi: usize, portable: bool) {
+pub unsafe fn run_ops_rows(c: &ops::Rows, lo: usize, hi: usize, isa: u8) {
+    let (avx512, avx2) = pick_isa(isa);
     #[cfg(target_arch = "x86_64")]
-    if !portable && has_avx512() {
+    if avx512 {
         return ops_avx512(c, lo, hi);
     }
-    let _ = portable;
+    #[cfg(target_arch = "x86_64")]
+    if avx2 {
+        return ops_avx2(c, lo, hi);
+    }
+    let _ = (avx512, avx2);
     ops::run_rows::<Portable>(c, lo, hi)
 }
 
@@ -183,15 +234,10 @@ pub unsafe fn run_ops_rows(c: &ops::Rows, lo: usize, hi: usize, portable: bool) 
 ///
 /// # Safety
 /// As `run_ops_rows`; rows written by one task are read by no other.
-pub unsafe fn run_ops(
-    c: &ops::Rows,
-    threads: usize,
-    mode: pool::Mode,
-    portable: bool,
-) -> Result<(), ()> {
+pub unsafe fn run_ops(c: &ops::Rows, threads: usize, mode: pool::Mode, isa: u8) -> Result<(), ()> {
     let per = c.rows_per_task();
     pool::for_each(c.rows.div_ceil(per), threads, mode, &|t| unsafe {
-        run_ops_rows(c, t * per, ((t + 1) * per).min(c.rows), portable)
+        run_ops_rows(c, t * per, ((t + 1) * per).min(c.rows), isa)
     })
 }
 

@@ -162,12 +162,12 @@ mod tests {
             .collect()
     }
 
+    /// Every instance this CPU has: portable, AVX2, the best.
+    const ISAS: [u8; 3] = [crate::ISA_PORTABLE, crate::ISA_AVX2, crate::ISA_BEST];
+
     fn run(c: &Rows) {
-        for avx in [false, true] {
-            if avx && !crate::has_avx512() {
-                continue;
-            }
-            unsafe { crate::run_ops_rows(c, 0, c.rows, !avx) };
+        for isa in ISAS {
+            unsafe { crate::run_ops_rows(c, 0, c.rows, isa) };
         }
     }
 
@@ -177,10 +177,7 @@ mod tests {
         let x0 = data(rows * heads * d, 1);
         let cos = data(rows * d / 2, 2);
         let sin = data(rows * d / 2, 3);
-        for portable in [true, false] {
-            if !portable && !crate::has_avx512() {
-                continue;
-            }
+        for isa in ISAS {
             let mut x = x0.clone();
             let c = Rows {
                 op: Op::Rotary,
@@ -197,7 +194,7 @@ mod tests {
                 heads,
                 head_stride: d,
             };
-            unsafe { crate::run_ops_rows(&c, 0, rows, portable) };
+            unsafe { crate::run_ops_rows(&c, 0, rows, isa) };
             for t in 0..rows {
                 for h in 0..heads {
                     for i in 0..d / 2 {

@@ -16,7 +16,7 @@ use pyo3::prelude::*;
     qsl, seq_lens, table, table_stride,
     scale, window, soft_cap, alibi, fp8_scale, released,
     work, num_items, merges, num_merges, partial, max_rows,
-    threads, mode, portable, fuse_heads
+    threads, mode, isa, fuse_heads
 ))]
 #[allow(clippy::too_many_arguments)]
 fn paged_attention(
@@ -57,7 +57,7 @@ fn paged_attention(
     max_rows: usize,
     threads: usize,
     mode: u8,
-    portable: bool,
+    isa: u8,
     fuse_heads: bool,
 ) -> PyResult<()> {
     let dt = match dtype {
@@ -76,6 +76,7 @@ fn paged_attention(
         _ => return Err(PyValueError::new_err(format!("unknown format code {fmt}"))),
     };
     let mode = mode_of(mode)?;
+    let isa = isa_of(isa)?;
     if head_dim % crate::simd::W != 0
         || head_dim == 0
         || num_kv_heads == 0
@@ -125,7 +126,7 @@ fn paged_attention(
     };
     let res = py.detach(|| unsafe {
         crate::run(
-            &c, num_items, num_merges, max_rows, threads, mode, portable, fuse_heads,
+            &c, num_items, num_merges, max_rows, threads, mode, isa, fuse_heads,
         )
     });
     res.map_err(|_| PyRuntimeError::new_err("native paged attention panicked"))
@@ -181,6 +182,16 @@ fn store_kv(
     Ok(py.detach(|| unsafe { crate::store::store(&s, slots) }))
 }
 
+/// `isa` checked: 0 the best instance, 1 portable, 2 at most AVX2 (`crate::ISA_*`).
+fn isa_of(isa: u8) -> PyResult<u8> {
+    if isa > crate::ISA_AVX2 {
+        return Err(PyValueError::new_err(format!(
+            "unknown instruction-set code {isa}"
+        )));
+    }
+    Ok(isa)
+}
+
 fn mode_of(mode: u8) -> PyResult<Mode> {
     match mode {
         0 => Ok(Mode::Single),
@@ -195,7 +206,7 @@ fn mode_of(mode: u8) -> PyResult<Mode> {
 #[pyfunction]
 #[pyo3(signature = (
     op, rows, dim, x, x_stride, y, y_stride, w, out, out_stride, eps, heads, head_stride,
-    threads, mode, portable
+    threads, mode, isa
 ))]
 #[allow(clippy::too_many_arguments)]
 fn elementwise(
@@ -215,7 +226,7 @@ fn elementwise(
     head_stride: usize,
     threads: usize,
     mode: u8,
-    portable: bool,
+    isa: u8,
 ) -> PyResult<()> {
     let op = match op {
         0 => crate::ops::Op::RmsNorm,
@@ -233,6 +244,7 @@ fn elementwise(
         )));
     }
     let mode = mode_of(mode)?;
+    let isa = isa_of(isa)?;
     let c = crate::ops::Rows {
         op,
         rows,
@@ -248,7 +260,7 @@ fn elementwise(
         heads,
         head_stride,
     };
-    py.detach(|| unsafe { crate::run_ops(&c, threads, mode, portable) })
+    py.detach(|| unsafe { crate::run_ops(&c, threads, mode, isa) })
         .map_err(|_| PyRuntimeError::new_err("the native element-wise op panicked"))
 }
 
@@ -312,14 +324,21 @@ fn set_gomp_parallel(addr: usize) {
     pool::set_gomp_parallel(addr);
 }
 
-/// (avx512 path available, avx512_bf16, amx (not detected: unstable in Rust), GOMP_parallel set)
+/// (avx512 path available, avx512_bf16, amx (not detected: unstable in Rust), GOMP_parallel set,
+/// avx2 path available)
 #[pyfunction]
-fn features() -> (bool, bool, bool, bool) {
+fn features() -> (bool, bool, bool, bool, bool) {
     #[cfg(target_arch = "x86_64")]
     let (bf16, amx) = (is_x86_feature_detected!("avx512bf16"), false);
     #[cfg(not(target_arch = "x86_64"))]
     let (bf16, amx) = (false, false);
-    (crate::has_avx512(), bf16, amx, pool::has_gomp())
+    (
+        crate::has_avx512(),
+        bf16,
+        amx,
+        pool::has_gomp(),
+        crate::has_avx2(),
+    )
 }
 
 #[pymodule]

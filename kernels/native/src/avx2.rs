@@ -1,0 +1,395 @@
+//! The `Simd` instance for x86-64 CPUs with AVX2, FMA and F16C but no AVX-512 (Zen 2 / Zen 3,
+//! Haswell to Alder Lake): sixteen fp32 lanes as two 256-bit registers.
+//!
+//! Chosen at run time (`lib.rs`) between `Avx512` and the baseline `Portable`, and compiled only
+//! inside `#[target_feature(enable = "avx2,fma,f16c")]` functions. Without it such a CPU ran the
+//! portable instance compiled for the x86-64 baseline (SSE2, a libm call per `exp` lane, no
+//! FMA): 2x SDPA's time on a bf16 prefill of 512 tokens on a Zen 3 (docs/kernels.md).
+//!
+//! Invariants: the same results as `Portable` up to fp32 rounding (FMA rounds once; `hsum` adds
+//! in a tree; `exp` is the AVX-512 instance's polynomial, ~2e-8 relative, with 2^n applied in
+//! two factors so that results down to the subnormals stay exact), and bit-identical
+//! conversions (`load_*`, `round_bf16`, `store_bf16`). No bf16-pair methods (`DPBF16` false):
+//! bf16 caches are widened to fp32 as on the portable path. Costs: two instructions per lane op;
+//! `select` builds its lane mask from the 16 bits (4 operations).
+
+use crate::simd::{Simd, W};
+use std::arch::x86_64::*;
+
+#[derive(Clone, Copy)]
+pub struct Avx2(pub __m256, pub __m256);
+
+/// Lane `i` of the two halves: bit `i` of a 16-bit mask (then compared to select).
+const LO_BITS: [i32; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
+const HI_BITS: [i32; 8] = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768];
+
+/// The bf16 nearest each lane (ties to even; NaN made quiet, as `simd::f32_to_bf16`), its bits
+/// in the high 16 bits of each dword, the low 16 zero.
+#[inline(always)]
+unsafe fn bf16_bits_high(x: __m256) -> __m256i {
+    let b = _mm256_castps_si256(x);
+    let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+    let r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+    let quiet = _mm256_or_si256(b, _mm256_set1_epi32(0x40_0000));
+    let r = _mm256_blendv_epi8(r, quiet, nan);
+    _mm256_and_si256(r, _mm256_set1_epi32(-65536))
+}
+
+/// The largest of eight lanes.
+#[inline(always)]
+unsafe fn max8(x: __m256) -> f32 {
+    let v = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+    let v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    _mm_cvtss_f32(_mm_max_ps(v, _mm_shuffle_ps::<0b01>(v, v)))
+}
+
+/// The sum of eight lanes (a tree: (0+4) + (2+6) + ...).
+#[inline(always)]
+unsafe fn sum8(x: __m256) -> f32 {
+    let v = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+    let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    _mm_cvtss_f32(_mm_add_ps(v, _mm_shuffle_ps::<0b01>(v, v)))
+}
+
+/// 2^e for integer lanes e in [-126, 127].
+#[inline(always)]
+unsafe fn pow2(e: __m256i) -> __m256 {
+    _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+        e,
+        _mm256_set1_epi32(127),
+    )))
+}
+
+/// Lanes of `m` (a 16-bit mask in every dword) whose bit in `bits` is set, as a blend mask.
+#[inline(always)]
+unsafe fn lane_mask(m: __m256i, bits: &[i32; 8]) -> __m256 {
+    let b = _mm256_loadu_si256(bits.as_ptr() as *const __m256i);
+    _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(m, b), b))
+}
+
+/// Eight bf16 values widened.
+#[inline(always)]
+unsafe fn bf16_8(p: *const u16) -> __m256 {
+    let x = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(x))
+}
+
+/// Eight int8 values widened.
+#[inline(always)]
+unsafe fn i8_8(p: *const i8) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+}
+
+/// In-place 8 x 8 transpose (unpacks, shuffles, 128-bit lane swaps).
+#[inline(always)]
+unsafe fn transpose8(r: &mut [__m256; 8]) {
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let s1 = _mm256_shuffle_ps::<0xee>(t0, t2);
+    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let s3 = _mm256_shuffle_ps::<0xee>(t1, t3);
+    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let s5 = _mm256_shuffle_ps::<0xee>(t4, t6);
+    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let s7 = _mm256_shuffle_ps::<0xee>(t5, t7);
+    r[0] = _mm256_permute2f128_ps::<0x20>(s0, s4);
+    r[1] = _mm256_permute2f128_ps::<0x20>(s1, s5);
+    r[2] = _mm256_permute2f128_ps::<0x20>(s2, s6);
+    r[3] = _mm256_permute2f128_ps::<0x20>(s3, s7);
+    r[4] = _mm256_permute2f128_ps::<0x31>(s0, s4);
+    r[5] = _mm256_permute2f128_ps::<0x31>(s1, s5);
+    r[6] = _mm256_permute2f128_ps::<0x31>(s2, s6);
+    r[7] = _mm256_permute2f128_ps::<0x31>(s3, s7);
+}
+
+#[inline(always)]
+unsafe fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_max_ps(x, _mm256_set1_ps(-104.0));
+    let x = _mm256_min_ps(x, _mm256_set1_ps(88.7));
+    let t = _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E));
+    let n = _mm256_round_ps::<0x08>(t); // nearest, no exceptions
+    let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_145_75), x); // ln 2 high bits
+    let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428_606_8e-6), f); // ln 2 - high
+    let mut p = _mm256_set1_ps(1.0 / 5040.0);
+    for c in [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+    }
+    // 2^n for n in [-150, 128] as two normal factors 2^a * 2^b (a = n >> 1, b = n - a)
+    let ni = _mm256_cvtps_epi32(n);
+    let a = _mm256_srai_epi32::<1>(ni);
+    let b = _mm256_sub_epi32(ni, a);
+    _mm256_mul_ps(_mm256_mul_ps(p, pow2(a)), pow2(b))
+}
+
+#[inline(always)]
+unsafe fn e4m3_8(p: *const u8) -> __m256 {
+    // as `Avx512::load_e4m3`: the sign-extended byte shifted into an fp32's sign, exponent and
+    // mantissa, then scaled by 2^120 (exact, subnormals included)
+    let x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i));
+    let bits = _mm256_and_si256(
+        _mm256_slli_epi32::<20>(x),
+        _mm256_set1_epi32(0x87f0_0000_u32 as i32),
+    );
+    _mm256_mul_ps(
+        _mm256_castsi256_ps(bits),
+        _mm256_set1_ps(f32::from_bits(0x7b80_0000)),
+    )
+}
+
+impl Simd for Avx2 {
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        Avx2(_mm256_set1_ps(x), _mm256_set1_ps(x))
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        Avx2(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        _mm256_storeu_ps(p, self.0);
+        _mm256_storeu_ps(p.add(8), self.1);
+    }
+    #[inline(always)]
+    unsafe fn add(self, o: Self) -> Self {
+        Avx2(_mm256_add_ps(self.0, o.0), _mm256_add_ps(self.1, o.1))
+    }
+    #[inline(always)]
+    unsafe fn mul(self, o: Self) -> Self {
+        Avx2(_mm256_mul_ps(self.0, o.0), _mm256_mul_ps(self.1, o.1))
+    }
+    #[inline(always)]
+    unsafe fn sub(self, o: Self) -> Self {
+        Avx2(_mm256_sub_ps(self.0, o.0), _mm256_sub_ps(self.1, o.1))
+    }
+    #[inline(always)]
+    unsafe fn div(self, o: Self) -> Self {
+        Avx2(_mm256_div_ps(self.0, o.0), _mm256_div_ps(self.1, o.1))
+    }
+    #[inline(always)]
+    unsafe fn round_bf16(self) -> Self {
+        Avx2(
+            _mm256_castsi256_ps(bf16_bits_high(self.0)),
+            _mm256_castsi256_ps(bf16_bits_high(self.1)),
+        )
+    }
+    #[inline(always)]
+    unsafe fn store_bf16(self, p: *mut u16) {
+        let lo = _mm256_srli_epi32::<16>(bf16_bits_high(self.0));
+        let hi = _mm256_srli_epi32::<16>(bf16_bits_high(self.1));
+        // packus interleaves 128-bit lanes: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> reorder
+        let packed = _mm256_permute4x64_epi64::<0xd8>(_mm256_packus_epi32(lo, hi));
+        _mm256_storeu_si256(p as *mut __m256i, packed);
+    }
+    #[inline(always)]
+    unsafe fn fma(self, b: Self, c: Self) -> Self {
+        Avx2(
+            _mm256_fmadd_ps(self.0, b.0, c.0),
+            _mm256_fmadd_ps(self.1, b.1, c.1),
+        )
+    }
+    #[inline(always)]
+    unsafe fn hmax(self) -> f32 {
+        max8(_mm256_max_ps(self.0, self.1))
+    }
+    #[inline(always)]
+    unsafe fn hsum(self) -> f32 {
+        sum8(_mm256_add_ps(self.0, self.1))
+    }
+    #[inline(always)]
+    unsafe fn exp(self) -> Self {
+        Avx2(exp8(self.0), exp8(self.1))
+    }
+    #[inline(always)]
+    unsafe fn select(self, mask: u16, other: Self) -> Self {
+        let m = _mm256_set1_epi32(mask as i32);
+        Avx2(
+            _mm256_blendv_ps(other.0, self.0, lane_mask(m, &LO_BITS)),
+            _mm256_blendv_ps(other.1, self.1, lane_mask(m, &HI_BITS)),
+        )
+    }
+    /// Four 8 x 8 transposes: the result's rows 0-7 are (A^T, C^T), rows 8-15 (B^T, D^T), for
+    /// the input's blocks A (rows 0-7, lanes 0-7), B (rows 0-7, lanes 8-15), C, D (rows 8-15).
+    #[inline(always)]
+    unsafe fn transpose(rows: &mut [Self; W]) {
+        let mut a = [_mm256_setzero_ps(); 8];
+        let mut b = [_mm256_setzero_ps(); 8];
+        let mut c = [_mm256_setzero_ps(); 8];
+        let mut d = [_mm256_setzero_ps(); 8];
+        for i in 0..8 {
+            a[i] = rows[i].0;
+            b[i] = rows[i].1;
+            c[i] = rows[8 + i].0;
+            d[i] = rows[8 + i].1;
+        }
+        transpose8(&mut a);
+        transpose8(&mut b);
+        transpose8(&mut c);
+        transpose8(&mut d);
+        for i in 0..8 {
+            rows[i] = Avx2(a[i], c[i]);
+            rows[8 + i] = Avx2(b[i], d[i]);
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> Self {
+        Avx2(bf16_8(p), bf16_8(p.add(8)))
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> Self {
+        Avx2(
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+            _mm256_cvtph_ps(_mm_loadu_si128(p.add(8) as *const __m128i)),
+        )
+    }
+    #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> Self {
+        Avx2(i8_8(p), i8_8(p.add(8)))
+    }
+    #[inline(always)]
+    unsafe fn load_e4m3(p: *const u8) -> Self {
+        Avx2(e4m3_8(p), e4m3_8(p.add(8)))
+    }
+    #[inline(always)]
+    unsafe fn load_e5m2(p: *const u8) -> Self {
+        // an e5m2 byte is the high byte of the fp16 with the same value
+        let x = _mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i)));
+        Avx2(
+            _mm256_cvtph_ps(_mm256_castsi256_si128(x)),
+            _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(x)),
+        )
+    }
+}
+
+/// Whether this CPU runs the AVX2 instance (avx2, fma, f16c).
+pub fn has_avx2() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::simd::{self, Portable};
+
+    #[test]
+    fn avx2_matches_portable() {
+        if !has_avx2() {
+            return;
+        }
+        unsafe { inner() }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn inner() {
+        let data: Vec<f32> = (0..256).map(|i| (i as f32 * 0.37).sin() * 30.0).collect();
+        let mut a: [Avx2; W] = [Avx2::splat(0.0); W];
+        let mut p: [Portable; W] = [Portable::splat(0.0); W];
+        for i in 0..W {
+            a[i] = Avx2::load(data.as_ptr().add(i * W));
+            p[i] = Portable::load(data.as_ptr().add(i * W));
+        }
+        Avx2::transpose(&mut a);
+        Portable::transpose(&mut p);
+        let mut out = [0f32; W];
+        for i in 0..W {
+            a[i].store(out.as_mut_ptr());
+            assert_eq!(out, p[i].0, "transpose row {i}");
+        }
+        // exp over the softmax's range, down to the subnormals and the clamp
+        let xs: Vec<f32> = (0..4096).map(|i| -110.0 + i as f32 * 0.0489).collect();
+        for chunk in xs.chunks(W) {
+            Avx2::load(chunk.as_ptr()).exp().store(out.as_mut_ptr());
+            for (j, &x) in chunk.iter().enumerate() {
+                let want = x.exp();
+                let tol = if want < f32::MIN_POSITIVE {
+                    2e-45
+                } else {
+                    4e-7 * want
+                };
+                assert!(
+                    (out[j] - want).abs() <= tol,
+                    "exp({x}) = {} not {want}",
+                    out[j]
+                );
+            }
+        }
+        // select, hmax, hsum
+        let v = Avx2::load(data.as_ptr());
+        for mask in [0u16, 1, 0x8000, 0x00ff, 0xff00, 0xa5c3, 0xffff] {
+            v.select(mask, Avx2::splat(-1.0)).store(out.as_mut_ptr());
+            for j in 0..W {
+                let want = if mask >> j & 1 != 0 { data[j] } else { -1.0 };
+                assert_eq!(out[j], want, "select {mask:#x} lane {j}");
+            }
+        }
+        assert_eq!(v.hmax(), data[..W].iter().copied().fold(f32::MIN, f32::max));
+        let sum: f32 = data[..W].iter().sum();
+        assert!((v.hsum() - sum).abs() < 1e-4 * sum.abs().max(1.0));
+        // conversions: every code of each 8-bit format, bf16 / f16 halves, bf16 rounding
+        let bytes: Vec<u8> = (0..=255u8).collect();
+        for chunk in bytes.chunks(W) {
+            Avx2::load_e4m3(chunk.as_ptr()).store(out.as_mut_ptr());
+            for (j, &b) in chunk.iter().enumerate() {
+                if b & 0x7f != 0x7f {
+                    assert_eq!(out[j], simd::e4m3_to_f32(b), "e4m3 {b:#x}");
+                }
+            }
+            Avx2::load_e5m2(chunk.as_ptr()).store(out.as_mut_ptr());
+            for (j, &b) in chunk.iter().enumerate() {
+                let want = simd::e5m2_to_f32(b);
+                assert!(
+                    out[j] == want || (want.is_nan() && out[j].is_nan()),
+                    "e5m2 {b:#x}"
+                );
+            }
+            Avx2::load_i8(chunk.as_ptr() as *const i8).store(out.as_mut_ptr());
+            for (j, &b) in chunk.iter().enumerate() {
+                assert_eq!(out[j], b as i8 as f32);
+            }
+        }
+        let halves: Vec<u16> = (0..4096u32).map(|i| (i * 16) as u16).collect();
+        for chunk in halves.chunks(W) {
+            Avx2::load_f16(chunk.as_ptr()).store(out.as_mut_ptr());
+            for j in 0..W {
+                let want = simd::f16_to_f32(chunk[j]);
+                assert!(out[j] == want || (want.is_nan() && out[j].is_nan()));
+            }
+            let b = Avx2::load_bf16(chunk.as_ptr());
+            b.store(out.as_mut_ptr());
+            for j in 0..W {
+                let want = simd::bf16_to_f32(chunk[j]);
+                assert!(out[j] == want || (want.is_nan() && out[j].is_nan()));
+            }
+        }
+        let mut bits = [0u16; W];
+        for chunk in data.chunks(W) {
+            let x = Avx2::load(chunk.as_ptr());
+            x.store_bf16(bits.as_mut_ptr());
+            x.round_bf16().store(out.as_mut_ptr());
+            for j in 0..W {
+                assert_eq!(bits[j], simd::f32_to_bf16(chunk[j]), "store_bf16 lane {j}");
+                assert_eq!(out[j], simd::bf16_to_f32(bits[j]), "round_bf16 lane {j}");
+            }
+        }
+        Avx2::splat(f32::NAN).store_bf16(bits.as_mut_ptr());
+        assert_eq!(bits[0], simd::f32_to_bf16(f32::NAN));
+    }
+}
