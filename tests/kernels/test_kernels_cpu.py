@@ -212,6 +212,17 @@ def test_cpu_backend_is_refused_for_cuda_tensors():
     assert check_backend("cpu", torch.device("cpu")) == "cpu"
 
 
+def test_an_unknown_instruction_set_is_refused(gen, monkeypatch):
+    b = make_batch(gen, [(20, 1)], block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=32,
+                   dtype=torch.float32)  # fmt: skip
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 8)
+    before = b.kv_cache.clone()
+    monkeypatch.setattr(cpu_native.OPTIONS, "isa", "avx9")
+    with pytest.raises(kk.KernelConfigError, match="KVCORE_NATIVE_ISA"):
+        kk.paged_attention(b.query, b.kv_cache, meta, scale=0.3, backend="cpu")
+    assert torch.equal(b.kv_cache.nan_to_num(), before.nan_to_num())
+
+
 def test_odd_head_dim_falls_back_to_the_twin(gen):
     b = make_batch(gen, [(10, 2)], block_size=8, num_q_heads=2, num_kv_heads=1, head_dim=24,
                    dtype=torch.float32)  # fmt: skip
