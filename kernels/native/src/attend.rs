@@ -218,10 +218,23 @@ pub fn fmt_code(f: Fmt) -> u8 {
 }
 
 /// `p[x][:] = sum_dd q[x][dd] * kt[dd][:]` for `NR` rows (q rows `d` apart, p rows `W` apart),
-/// two accumulators per row (even / odd `dd`) to keep eight FMA chains in flight.
+/// two accumulators per row (even / odd `dd`) to keep eight FMA chains in flight, or one
+/// (`S::QK_TWO_CHAINS` false: two registers per accumulator already).
 #[inline(always)]
 unsafe fn qk_rows<S: Simd, const NR: usize>(q: *const f32, d: usize, kt: *const f32, p: *mut f32) {
     let mut s0 = [S::splat(0.0); NR];
+    if !S::QK_TWO_CHAINS {
+        for dd in 0..d {
+            let k = S::load(kt.add(dd * W));
+            for x in 0..NR {
+                s0[x] = S::splat(*q.add(x * d + dd)).fma(k, s0[x]);
+            }
+        }
+        for x in 0..NR {
+            s0[x].store(p.add(x * W));
+        }
+        return;
+    }
     let mut s1 = [S::splat(0.0); NR];
     let mut dd = 0;
     while dd < d {
@@ -239,7 +252,7 @@ unsafe fn qk_rows<S: Simd, const NR: usize>(q: *const f32, d: usize, kt: *const 
 }
 
 /// `acc[x][:] += sum_j p[x][j] * vt[j][:]` for `NR` rows, 32 columns at a time (16 for an odd
-/// last chunk).
+/// first chunk, and for every chunk where `S::PV_PAIRED` is false).
 #[inline(always)]
 unsafe fn pv_rows<S: Simd, const NR: usize>(
     acc: *mut f32,
@@ -249,21 +262,23 @@ unsafe fn pv_rows<S: Simd, const NR: usize>(
     nk: usize,
 ) {
     let mut cc = 0;
-    if (d / W) % 2 == 1 {
+    // 16-column passes: all of them where `S` pairs none, else an odd first one
+    let singles = if S::PV_PAIRED { (d / W) % 2 } else { d / W };
+    for _ in 0..singles {
         let mut a = [S::splat(0.0); NR];
         for x in 0..NR {
-            a[x] = S::load(acc.add(x * d));
+            a[x] = S::load(acc.add(x * d + cc));
         }
         for j in 0..nk {
-            let v = S::load(vt.add(j * d));
+            let v = S::load(vt.add(j * d + cc));
             for x in 0..NR {
                 a[x] = S::splat(*p.add(x * W + j)).fma(v, a[x]);
             }
         }
         for x in 0..NR {
-            a[x].store(acc.add(x * d));
+            a[x].store(acc.add(x * d + cc));
         }
-        cc = W;
+        cc += W;
     }
     while cc < d {
         let mut a0 = [S::splat(0.0); NR];
@@ -300,7 +315,7 @@ unsafe fn pv_direct<S: Simd, const F: u8, const NR: usize>(
 ) {
     let mut cc = 0;
     while cc < d {
-        let two = cc + 2 * W <= d;
+        let two = S::PV_PAIRED && cc + 2 * W <= d;
         let mut a0 = [S::splat(0.0); NR];
         let mut a1 = [S::splat(0.0); NR];
         for x in 0..NR {

@@ -153,6 +153,8 @@ unsafe fn e4m3_8(p: *const u8) -> __m256 {
 }
 
 impl Simd for Avx2 {
+    const PV_PAIRED: bool = false;
+    const QK_TWO_CHAINS: bool = false;
     #[inline(always)]
     unsafe fn splat(x: f32) -> Self {
         Avx2(_mm256_set1_ps(x), _mm256_set1_ps(x))

@@ -38,6 +38,13 @@ pub trait Simd: Copy {
     unsafe fn load_i8(p: *const i8) -> Self;
     unsafe fn load_e4m3(p: *const u8) -> Self;
     unsafe fn load_e5m2(p: *const u8) -> Self;
+    /// Whether the fp32 P.V loops (`pv_rows`, `pv_direct`, up to 4 rows) take 32 columns per
+    /// pass (two vectors per row: AVX-512's 32 registers hold them) or 16 (AVX2: 4 rows x 16
+    /// columns are 8 of its 16 ymm; 32 columns would spill).
+    const PV_PAIRED: bool = true;
+    /// Whether `qk_rows` keeps two accumulators per row (even / odd dimensions: 8 chains for 4
+    /// rows); AVX2 keeps one (4 rows are 8 ymm chains already, and 16 would spill).
+    const QK_TWO_CHAINS: bool = true;
     /// Whether the bf16-pair methods below are implemented (AVX-512 BF16 dot products).
     const DPBF16: bool = false;
     /// Store `lo` then `hi` as 32 bf16 (round to nearest even; exact for int8 / fp8 values).
