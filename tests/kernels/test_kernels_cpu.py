@@ -212,6 +212,23 @@ def test_cpu_backend_is_refused_for_cuda_tensors():
     assert check_backend("cpu", torch.device("cpu")) == "cpu"
 
 
+def test_heads_fuse_by_default_off_the_avx512_path_for_wide_elements(monkeypatch):
+    opts = cpu_native.OPTIONS
+    monkeypatch.setattr(opts, "fuse_heads", None)
+    monkeypatch.setattr(opts, "isa", "avx2")
+    assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16)
+    assert cpu_native.fuse_heads_for(cpu_native.FMT_F32)
+    assert not cpu_native.fuse_heads_for(cpu_native.FMT_INT8)
+    assert not cpu_native.fuse_heads_for(cpu_native.FMT_E4M3)
+    monkeypatch.setattr(opts, "isa", "auto")
+    avx512 = cpu_native.features()["avx512"]
+    assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16) == (not avx512)
+    monkeypatch.setattr(opts, "fuse_heads", False)  # KVCORE_NATIVE_FUSE_HEADS=0 wins
+    assert not cpu_native.fuse_heads_for(cpu_native.FMT_BF16)
+    monkeypatch.setattr(opts, "fuse_heads", True)
+    assert cpu_native.fuse_heads_for(cpu_native.FMT_INT8)
+
+
 def test_an_unknown_instruction_set_is_refused(gen, monkeypatch):
     b = make_batch(gen, [(20, 1)], block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=32,
                    dtype=torch.float32)  # fmt: skip
