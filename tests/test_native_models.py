@@ -106,20 +106,37 @@ def test_weights_are_shared_not_copied():
     assert native.lm_head.weight.data_ptr() == hf.lm_head.weight.data_ptr()
 
 
-def test_can_prepack_only_where_onednn_relays_a_bf16_weight(monkeypatch):
-    """An AVX2-only CPU (Zen 3) has oneDNN but refuses its bf16 re-lay: a bf16 engine then
-    keeps F.linear instead of failing to start (it did, from ``prepack_linears``)."""
+def test_can_prepack_only_where_onednn_relays_a_bf16_weight():
+    """An AVX2-only CPU (Zen 3) has oneDNN but refuses its bf16 re-lay; a bf16 engine failed
+    to start there (from ``prepack_linears``)."""
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16))
         takes = torch.backends.mkldnn.is_available()
     except (RuntimeError, AttributeError):
         takes = False
     assert can_prepack() == takes
-    model = tiny_llama(seed=3, dtype=torch.bfloat16, **SMALL)
+
+
+def test_bf16_linears_run_in_fp32_where_the_cpu_has_no_bf16_gemm(monkeypatch):
+    """Neither oneDNN's bf16 re-lay nor the native kernel: an fp32 copy of each bf16 weight,
+    the product rounded to bf16 (torch's bf16 F.linear there is ~10x slower)."""
     monkeypatch.setattr(linear_mod, "_onednn_packs_bf16", lambda: False)
-    monkeypatch.setenv("KVCORE_SMALL_LINEAR", "0")
-    llm, got = _run(model, [[5, 6, 7, 8, 9]])
-    assert llm.engine.runner.prepacked_bytes == 0 and len(got[0]) > 0
+    monkeypatch.setattr(linear_mod, "can_pack_small", lambda: False)
+    model = tiny_llama(seed=3, dtype=torch.bfloat16, **SMALL)
+    llm, got = _run(model, [[5, 6, 7, 8, 9], list(range(3, 20))])
+    mods = [m for m in llm.engine.runner.native.modules() if isinstance(m, (Linear, MergedLinear))]
+    assert mods and all(m.upcast is not None and m.packed is None for m in mods)
+    assert llm.engine.runner.prepacked_bytes == sum(m.weight.numel() * 4 for m in mods)
+    assert all(len(t) == 8 for t in got)
+    gen = torch.Generator().manual_seed(0)
+    for mod in mods[:4]:
+        x = torch.randn(5, mod.weight.shape[1], generator=gen).bfloat16()
+        out = mod(x)
+        assert out.dtype == torch.bfloat16
+        exact = x.double() @ mod.weight.double().T  # bf16 products, summed exactly
+        assert torch.allclose(out.double(), exact, rtol=2**-8, atol=1e-6)
+    monkeypatch.setenv("KVCORE_PREPACK", "0")  # no packing of any kind
+    assert prepack_linears(llm.engine.runner.native) == 0
 
 
 @pytest.mark.skipif(not can_prepack(), reason="oneDNN packs no bf16 weight here")

@@ -191,10 +191,11 @@ class ModelRunner:
                 mods = [m for m in self.native.modules() if hasattr(m, "gated")]
                 logger.info(
                     "kvcore: bf16 linear weights prepacked (%.0f MiB): %d for kvcore's kernel, "
-                    "%d for oneDNN",
+                    "%d for oneDNN, %d as fp32 (no bf16 GEMM on this CPU)",
                     self.prepacked_bytes / 2**20,
                     sum(m.small is not None or m.gated is not None for m in mods),
                     sum(m.packed is not None for m in mods),
+                    sum(m.upcast is not None for m in mods),
                 )
         self.compile_stats = CompileStats()
         self.max_model_len = max_model_len or num_blocks * block_size

@@ -38,6 +38,11 @@ panel ``i``) in place of the plain native copy, and the kernel writes ``silu(gat
 its sums: the ``[T, 2I]`` product is neither written nor read again, and the bits are those of
 the plain product followed by ``ops_cpu.silu_and_mul`` (the same roundings).
 ``KVCORE_FUSED_GATE_UP=0`` keeps the two steps.
+
+**No bf16 GEMM on this CPU** (oneDNN refuses the bf16 re-lay: no AVX-512, no AVX-NE-CONVERT, e.g.
+an AVX2-only Zen 3): ``prepack_linears`` keeps an fp32 copy of each bf16 weight and ``_linear``
+runs the fp32 GEMM on the upcast rows, rounding the product to bf16 (``_upcast_linears``): ~9x
+torch's bf16 ``F.linear`` there, twice the weights' memory.
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ def _linear(x: torch.Tensor, mod: MergedLinear | Linear) -> torch.Tensor:
             return linear_cpu.linear(x, mod.small, mod.bias)
         if mod.packed is not None and x.numel() > x.shape[-1]:
             return torch.ops.mkldnn._linear_pointwise(x, mod.packed, mod.bias, "none", [], "")
+        if mod.upcast is not None:  # bf16 weights on a CPU without bf16 GEMMs: fp32 GEMM
+            w, b = mod.upcast
+            return F.linear(x.float(), w, b).to(x.dtype)
     return F.linear(x, mod.weight, mod.bias)
 
 
@@ -110,20 +118,21 @@ def prepack_linears(model: nn.Module) -> int:
     """Pack the weight of every ``Linear`` / ``MergedLinear`` of ``model`` that is bf16 on the
     CPU for the native kernel where ``can_pack_small()`` (gated, for a SiLU MLP's gate-up:
     ``gate_up_act``), and for oneDNN where rows are left to it (``SMALL_ROWS``; see the module
-    docstring); returns the bytes packed (0 when none or when both are off). Packing again
-    re-packs (after a weight changed). ``KVCORE_PREPACK=0`` turns both off."""
+    docstring), or, where neither runs, into an fp32 copy (``_upcast_linears``); returns the bytes
+    packed (0 when none). Packing again re-packs (after a weight changed). ``KVCORE_PREPACK=0``
+    turns all of it off."""
     if os.environ.get("KVCORE_PREPACK", "1") in ("0", ""):
         return 0
     dnn, small = can_prepack(), can_pack_small()
     if not (dnn or small):
-        return 0
+        return _upcast_linears(model)
     fuse = os.environ.get("KVCORE_FUSED_GATE_UP", "1") not in ("0", "")
     gated = {id(m.gate_up_proj) for m in model.modules() if fuse and _silu_gate_up(m)}
     total = 0
     for mod in model.modules():
         if not isinstance(mod, (MergedLinear, Linear)):
             continue
-        mod.gated = None
+        mod.gated = mod.upcast = None
         w = mod.weight
         if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2:
             mod.packed = mod.small = None
@@ -139,6 +148,27 @@ def prepack_linears(model: nn.Module) -> int:
             total += w.numel() * w.element_size()
         for packed in (mod.small, mod.gated):
             total += packed.nbytes if packed is not None else 0
+    return total
+
+
+def _upcast_linears(model: nn.Module) -> int:
+    """Where this CPU has no bf16 GEMM (oneDNN refuses the bf16 re-lay: no AVX-512, no
+    AVX-NE-CONVERT), an fp32 copy of every bf16 CPU weight (and bias) for ``_linear``: torch's bf16
+    ``F.linear`` there runs ~9 GFLOP/s against fp32's ~88 (AVX2 Zen 3, one thread, SmolLM2's
+    gate-up at 48-2,048 rows; 2.4x at one row). The products of bf16 values are exact in fp32 and
+    oneDNN's bf16 GEMM sums in fp32 too, so only the order of the sums differs; the output is
+    rounded to bf16 as before. Costs twice the bf16 weights' memory. Returns the bytes made."""
+    total = 0
+    for mod in model.modules():
+        if not isinstance(mod, (MergedLinear, Linear)):
+            continue
+        mod.packed = mod.small = mod.gated = mod.upcast = None
+        w = mod.weight
+        if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2:
+            continue
+        bias = None if mod.bias is None else mod.bias.detach().float()
+        mod.upcast = (w.detach().float(), bias)
+        total += w.numel() * 4
     return total
 
 
@@ -181,6 +211,7 @@ class MergedLinear(nn.Module):
         self.packed: torch.Tensor | None = None  # prepack_linears: oneDNN's copy of weight
         self.small: linear_cpu.PackedLinear | None = None  # ... and the native kernel's
         self.gated: linear_cpu.PackedLinear | None = None  # ... or its gated one (gate_up_act)
+        self.upcast: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fp32 copies
 
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Copy checkpoint tensor ``tensor`` (``name``: weight or bias) into shard ``shard``'s
@@ -207,6 +238,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # prepack_linears: oneDNN's copy of weight
         self.small: linear_cpu.PackedLinear | None = None  # ... and the native kernel's
         self.gated: linear_cpu.PackedLinear | None = None  # never set on a plain Linear
+        self.upcast: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fp32 copies
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self)
