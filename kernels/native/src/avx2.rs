@@ -13,7 +13,7 @@
 //! bf16 caches are widened to fp32 as on the portable path. Costs: two instructions per lane op;
 //! `select` builds its lane mask from the 16 bits (4 operations).
 
-use crate::simd::{Simd, W};
+use crate::simd::{Simd, EXP_POLY, EXP_RANGE, LN2_HI, LN2_LO, W};
 use std::arch::x86_64::*;
 
 #[derive(Clone, Copy)]
@@ -112,22 +112,14 @@ unsafe fn transpose8(r: &mut [__m256; 8]) {
 
 #[inline(always)]
 unsafe fn exp8(x: __m256) -> __m256 {
-    let x = _mm256_max_ps(x, _mm256_set1_ps(-104.0));
-    let x = _mm256_min_ps(x, _mm256_set1_ps(88.7));
+    let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_RANGE.0));
+    let x = _mm256_min_ps(x, _mm256_set1_ps(EXP_RANGE.1));
     let t = _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E));
     let n = _mm256_round_ps::<0x08>(t); // nearest, no exceptions
-    let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_145_75), x); // ln 2 high bits
-    let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428_606_8e-6), f); // ln 2 - high
-    let mut p = _mm256_set1_ps(1.0 / 5040.0);
-    for c in [
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ] {
+    let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), f);
+    let mut p = _mm256_set1_ps(EXP_POLY[0]);
+    for &c in &EXP_POLY[1..] {
         p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
     }
     // 2^n for n in [-150, 128] as two normal factors 2^a * 2^b (a = n >> 1, b = n - a)

@@ -109,6 +109,23 @@ pub trait Simd: Copy {
     }
 }
 
+/// The vector `exp`s' constants (AVX-512 here, AVX2 in `avx2.rs`): inputs clamped to
+/// `EXP_RANGE`; f = x - n ln 2 in two steps (`LN2_HI` holds ln 2's high bits, `LN2_LO` the rest);
+/// e^f by the degree-7 Taylor polynomial, coefficients from x^7 down (Horner).
+pub(crate) const EXP_RANGE: (f32, f32) = (-104.0, 88.7);
+pub(crate) const LN2_HI: f32 = 0.693_145_75;
+pub(crate) const LN2_LO: f32 = 1.428_606_8e-6;
+pub(crate) const EXP_POLY: [f32; 8] = [
+    1.0 / 5040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+
 /// tanh from exp: 1 - 2 / (e^{2x} + 1), saturating for large |x|.
 #[inline(always)]
 pub unsafe fn tanh<S: Simd>(x: S) -> S {
@@ -341,7 +358,7 @@ pub use avx::Avx512;
 
 #[cfg(target_arch = "x86_64")]
 mod avx {
-    use super::{Simd, W};
+    use super::{Simd, EXP_POLY, EXP_RANGE, LN2_HI, LN2_LO, W};
     use std::arch::x86_64::*;
 
     /// The AVX-512 instance (needs avx512f/bw/dq/vl; checked in `lib.rs`); `BF`: the CPU has
@@ -565,22 +582,14 @@ mod avx {
         /// applied with `scalef`.
         #[inline(always)]
         unsafe fn exp(self) -> Self {
-            let x = _mm512_max_ps(self.0, _mm512_set1_ps(-104.0));
-            let x = _mm512_min_ps(x, _mm512_set1_ps(88.7));
+            let x = _mm512_max_ps(self.0, _mm512_set1_ps(EXP_RANGE.0));
+            let x = _mm512_min_ps(x, _mm512_set1_ps(EXP_RANGE.1));
             let t = _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E));
             let n = _mm512_roundscale_ps::<0x08>(t); // nearest, no exceptions
-            let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x); // ln 2 high bits
-            let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), f); // ln 2 - high
-            let mut p = _mm512_set1_ps(1.0 / 5040.0);
-            for c in [
-                1.0 / 720.0,
-                1.0 / 120.0,
-                1.0 / 24.0,
-                1.0 / 6.0,
-                0.5,
-                1.0,
-                1.0,
-            ] {
+            let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+            let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), f);
+            let mut p = _mm512_set1_ps(EXP_POLY[0]);
+            for &c in &EXP_POLY[1..] {
                 p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
             }
             Avx512(_mm512_scalef_ps(p, n))
