@@ -29,7 +29,7 @@ twin's chunks); a layer's call then costs one FFI call with the tensors' address
 Threads: by default the kernel runs on torch's own OpenMP team (the address of ``GOMP_parallel``
 in the libgomp torch loaded is handed to the extension), with ``torch.get_num_threads()``
 threads, so it never competes with torch's spinning workers. ``KVCORE_NATIVE_THREADS`` =
-``omp`` | ``rayon`` | ``single`` picks another mode (docs/kernels.md has the measurements);
+``omp`` | ``rayon`` | ``single`` picks another mode (docs/kernels.md has the measurements).
 The code path is the best this CPU has: AVX-512 (with BF16 dot products where it has them),
 else AVX2 + FMA, else portable; ``KVCORE_NATIVE_ISA=avx2`` caps it at AVX2 and
 ``KVCORE_NATIVE_PORTABLE=1`` (or ``KVCORE_NATIVE_ISA=portable``) forces the portable one;
