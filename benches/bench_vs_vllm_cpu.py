@@ -71,10 +71,10 @@ def kvcore_worker(model_dir: str, threads: int, mode: str):
     return run, f"kvcore/{impl}/{mode}"
 
 
-def vllm_worker(model_dir: str, threads: int, mode: str):
+def vllm_worker(model_dir: str, threads: int, mode: str, dtype: str = "bfloat16"):
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=2048, seed=0)
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=2048, seed=0)
 
     def run(prompts, max_tokens):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -84,10 +84,12 @@ def vllm_worker(model_dir: str, threads: int, mode: str):
     return run, "vllm"
 
 
-def worker_main(engine: str, model_dir: str, threads: int, mode: str) -> None:
+def worker_main(engine: str, model_dir: str, threads: int, mode: str, dtype: str) -> None:
     start = time.perf_counter()
-    make = kvcore_worker if engine == "kvcore" else vllm_worker
-    run, label = make(model_dir, threads, mode)
+    if engine == "kvcore":
+        run, label = kvcore_worker(model_dir, threads, mode)
+    else:
+        run, label = vllm_worker(model_dir, threads, mode, dtype)
     for n in (2, 1):  # warm-up: several requests and one, prefill and decode (compiles)
         run([[5 + i] * (40 + 30 * i) for i in range(n)], 4)
     startup = time.perf_counter() - start
@@ -106,11 +108,20 @@ def worker_main(engine: str, model_dir: str, threads: int, mode: str) -> None:
 
 class Worker:
     def __init__(
-        self, engine: str, threads: int, mode: str, python: str, model_dir: str, impl: str = "auto"
+        self,
+        engine: str,
+        threads: int,
+        mode: str,
+        python: str,
+        model_dir: str,
+        impl: str = "auto",
+        dtype: str = "bfloat16",
     ):
         self.name = f"{engine}-{mode}-{threads}t" if engine == "kvcore" else f"vllm-{threads}t"
         if engine == "kvcore" and impl != "auto":  # kvcore's model code or transformers'
             self.name = f"kvcore-{impl}-{mode}-{threads}t"
+        if engine == "vllm" and dtype != "bfloat16":
+            self.name = f"vllm-{dtype}-{threads}t"
         self.engine, self.threads = engine, threads
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
         if engine == "kvcore":
@@ -124,7 +135,7 @@ class Worker:
                 TRANSFORMERS_OFFLINE="1",
             )
         cmd = [python, __file__, "--worker", engine, "--model-dir", model_dir]
-        cmd += ["--threads", str(threads), "--mode", mode]
+        cmd += ["--threads", str(threads), "--mode", mode, "--peer-dtypes", dtype]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
             start_new_session=True,  # its own process group: paused and resumed as one
@@ -201,13 +212,19 @@ def main() -> None:
     ap.add_argument(
         "--kvcore-impls", nargs="+", default=["auto"], help="model code: auto kvcore transformers"
     )
+    ap.add_argument(
+        "--peer-dtypes",
+        nargs="+",
+        default=["bfloat16"],
+        help="vLLM's dtypes, best taken over them (float32 where the CPU has no bf16 GEMM)",
+    )
     ap.add_argument("--no-peer", action="store_true", help="kvcore only")
     ap.add_argument("--json", default=None, help="write every measurement here")
     args = ap.parse_args()
     peer = Path(args.peer_dir)
     model_dir = args.model_dir or str(peer / "smollm2-hf")
     if args.worker:
-        worker_main(args.worker, model_dir, args.threads, args.mode)
+        worker_main(args.worker, model_dir, args.threads, args.mode, args.peer_dtypes[0])
         return
     from kvcore import _kvcore
 
@@ -217,17 +234,19 @@ def main() -> None:
         raise SystemExit(f"{model_dir} missing: bash /work/shared/peers/vllm_cpu/setup.sh DIR")
     vllm_python = str(peer / "venv" / "bin" / "python")
     specs = [
-        ("kvcore", t, m, sys.executable, i)
+        ("kvcore", t, m, sys.executable, i, "bfloat16")
         for t in args.thread_settings
         for m in args.kvcore_modes
         for i in args.kvcore_impls
     ]
     if not args.no_peer:
         peer_threads = args.peer_threads or args.thread_settings
-        specs += [("vllm", t, "-", vllm_python, "auto") for t in peer_threads]
+        specs += [
+            ("vllm", t, "-", vllm_python, "auto", d) for t in peer_threads for d in args.peer_dtypes
+        ]
     workers = []
-    for engine, threads, mode, python, impl in specs:
-        w = Worker(engine, threads, mode, python, model_dir, impl)
+    for engine, threads, mode, python, impl, dtype in specs:
+        w = Worker(engine, threads, mode, python, model_dir, impl, dtype)
         print(
             f"{w.name}: ready ({w.ready['ready']}), startup {w.ready['startup_s']:.1f} s",
             flush=True,
@@ -255,9 +274,11 @@ def main() -> None:
             best_vl = max(vl, key=lambda n: vl[n]["tok_s"])
             ratios = {"best": kv[best_kv]["tok_s"] / vl[best_vl]["tok_s"]}
             one_kv = [n for n in kv if n.endswith("-1t")]
-            if one_kv and "vllm-1t" in vl:
+            one_vl = [n for n in vl if n.endswith("-1t")]
+            if one_kv and one_vl:
                 b1 = max(one_kv, key=lambda n: kv[n]["tok_s"])
-                ratios["1thread"] = kv[b1]["tok_s"] / vl["vllm-1t"]["tok_s"]
+                v1 = max(one_vl, key=lambda n: vl[n]["tok_s"])
+                ratios["1thread"] = kv[b1]["tok_s"] / vl[v1]["tok_s"]
             for k, v in ratios.items():
                 worst[f"{kind}_{k}"] = min(worst.get(f"{kind}_{k}", float("inf")), v)
             seqs, toks, pre = agreement(kv[best_kv]["tokens"], vl[best_vl]["tokens"])

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcore_kernels.cache import allocate_kv_cache
+from kvcore_kernels.cache import allocate_kv_cache, zeros
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.quant.codecs import rotation_matrix
 from kvcore_kernels.quant.formats import BlockLayout, KVFormat, block_layout, check_format
@@ -174,7 +174,7 @@ def allocate_kv_caches(
             )
             continue
         layout = block_layout(fmt, block_size, num_kv_heads, head_dim)
-        buffer = torch.zeros((num_blocks, layout.block_bytes), dtype=torch.uint8, device=device)
+        buffer = zeros((num_blocks, layout.block_bytes), torch.uint8, device)
         cache = QuantKVCache(
             fmt,
             block_size,
