@@ -52,6 +52,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from kvcore_kernels import cache as kv_cache
 from kvcore_kernels import linear_cpu
 from torch import nn
 
@@ -158,18 +159,27 @@ def _upcast_linears(model: nn.Module) -> int:
     gate-up at 48-2,048 rows; 2.4x at one row). The products of bf16 values are exact in fp32 and
     oneDNN's bf16 GEMM sums in fp32 too, so only the order of the sums differs; the output is
     rounded to bf16 as before. Costs twice the bf16 weights' memory. Returns the bytes made."""
-    total = 0
+    mods = []
     for mod in model.modules():
         if not isinstance(mod, (MergedLinear, Linear)):
             continue
         mod.packed = mod.small = mod.gated = mod.upcast = None
         w = mod.weight
-        if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2:
-            continue
+        if w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2:
+            mods.append(mod)
+    # One arena for all copies (in 2 MiB pages where Linux lends them, as the KV cache: a decode
+    # step streams every weight), each copy starting on a 64-byte line.
+    sizes = [-(-m.weight.numel() // 16) * 16 for m in mods]
+    arena = kv_cache.zeros((sum(sizes),), torch.float32, torch.device("cpu"))
+    start = 0
+    for mod, size in zip(mods, sizes, strict=True):
+        w = mod.weight
+        copy = arena[start : start + w.numel()].view(w.shape)
+        copy.copy_(w.detach())
+        start += size
         bias = None if mod.bias is None else mod.bias.detach().float()
-        mod.upcast = (w.detach().float(), bias)
-        total += w.numel() * 4
-    return total
+        mod.upcast = (copy, bias)
+    return sum(m.weight.numel() * 4 for m in mods)
 
 
 def _silu_gate_up(mlp: nn.Module) -> bool:
