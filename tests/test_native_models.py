@@ -126,15 +126,27 @@ def test_bf16_linears_run_in_fp32_where_the_cpu_has_no_bf16_gemm(monkeypatch):
     llm, got = _run(model, [[5, 6, 7, 8, 9], list(range(3, 20))])
     mods = [m for m in llm.engine.runner.native.modules() if isinstance(m, (Linear, MergedLinear))]
     assert mods and all(m.upcast is not None and m.packed is None for m in mods)
-    assert llm.engine.runner.prepacked_bytes == sum(m.weight.numel() * 4 for m in mods)
+    # oneDNN's packed fp32 copy beside the plain one, where oneDNN packs fp32 (it does on x86)
+    packs = linear_mod._onednn_packs_fp32()
+    assert all((m.upcast[2] is not None) == packs for m in mods)
+    fp32_bytes = sum(m.weight.numel() * 4 for m in mods)
+    assert llm.engine.runner.prepacked_bytes == fp32_bytes * (2 if packs else 1)
     assert all(len(t) == 8 for t in got)
     gen = torch.Generator().manual_seed(0)
-    for mod in mods[:4]:
-        x = torch.randn(5, mod.weight.shape[1], generator=gen).bfloat16()
-        out = mod(x)
-        assert out.dtype == torch.bfloat16
-        exact = x.double() @ mod.weight.double().T  # bf16 products, summed exactly
-        assert torch.allclose(out.double(), exact, rtol=2**-8, atol=1e-6)
+    # The tiny model's weights are below the packed copy's size bound: F.linear on the fp32
+    # copy; then every call of up to numel rows on the packed copy.
+    for per_row in (linear_mod.UPCAST_PACKED_ELEMS_PER_ROW, 1):
+        monkeypatch.setattr(linear_mod, "UPCAST_PACKED_ELEMS_PER_ROW", per_row)
+        for mod in mods[:4]:
+            for rows in (1, 5):
+                x = torch.randn(rows, mod.weight.shape[1], generator=gen).bfloat16()
+                out = mod(x)
+                assert out.dtype == torch.bfloat16
+                exact = x.double() @ mod.weight.double().T  # bf16 products, summed exactly
+                assert torch.allclose(out.double(), exact, rtol=2**-8, atol=1e-6)
+    monkeypatch.setenv("KVCORE_PACK_FP32", "0")  # the fp32 copies alone
+    assert prepack_linears(llm.engine.runner.native) == fp32_bytes
+    assert all(m.upcast[2] is None for m in mods)
     monkeypatch.setenv("KVCORE_PREPACK", "0")  # no packing of any kind
     assert prepack_linears(llm.engine.runner.native) == 0
 

@@ -75,9 +75,24 @@ def _linear(x: torch.Tensor, mod: MergedLinear | Linear) -> torch.Tensor:
         if mod.packed is not None and x.numel() > x.shape[-1]:
             return torch.ops.mkldnn._linear_pointwise(x, mod.packed, mod.bias, "none", [], "")
         if mod.upcast is not None:  # bf16 weights on a CPU without bf16 GEMMs: fp32 GEMM
-            w, b = mod.upcast
+            w, b, packed = mod.upcast
+            if packed is not None and rows * UPCAST_PACKED_ELEMS_PER_ROW <= w.numel():
+                y = torch.ops.mkldnn._linear_pointwise(x.float(), packed, b, "none", [], "")
+                return y.to(x.dtype)
             return F.linear(x.float(), w, b).to(x.dtype)
     return F.linear(x, mod.weight, mod.bias)
+
+
+#: ``_upcast_linears``' per-module fp32 weight, fp32 bias, and oneDNN's packed fp32 weight (None
+#: where oneDNN cannot pack or ``KVCORE_PACK_FP32=0``).
+UpcastWeights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+# Where bf16 runs on fp32 copies (``_upcast_linears``), a call of up to ``numel / this`` rows
+# takes oneDNN's packed fp32 copy: ``F.linear`` re-lays the weight on every call, which costs
+# more than the product for few rows and large weights (AVX2 Zen 3, two threads, packed vs
+# F.linear: 1.45-3.6x at 2-16 rows on every SmolLM2 shape, the LM head 1.2-2x up to 256 rows,
+# but 0.9-0.95x on prefill chunks; ``benches/tools/linear_fp32_onednn.py``).
+UPCAST_PACKED_ELEMS_PER_ROW = 24_576
 
 
 def can_prepack() -> bool:
@@ -119,14 +134,20 @@ def prepack_linears(model: nn.Module) -> int:
     """Pack the weight of every ``Linear`` / ``MergedLinear`` of ``model`` that is bf16 on the
     CPU for the native kernel where ``can_pack_small()`` (gated, for a SiLU MLP's gate-up:
     ``gate_up_act``), and for oneDNN where rows are left to it (``SMALL_ROWS``; see the module
-    docstring), or, where neither runs, into an fp32 copy (``_upcast_linears``); returns the bytes
+    docstring), or, where neither runs, into an fp32 copy (``_upcast_linears``); fp32 weights get
+    oneDNN's packed fp32 copy for few-row calls (``_pack_fp32_linears``). Returns the bytes
     packed (0 when none). Packing again re-packs (after a weight changed). ``KVCORE_PREPACK=0``
     turns all of it off."""
     if os.environ.get("KVCORE_PREPACK", "1") in ("0", ""):
         return 0
     dnn, small = can_prepack(), can_pack_small()
     if not (dnn or small):
-        return _upcast_linears(model)
+        return _upcast_linears(model) + _pack_fp32_linears(model)
+    return _pack_bf16_linears(model, dnn, small) + _pack_fp32_linears(model)
+
+
+def _pack_bf16_linears(model: nn.Module, dnn: bool, small: bool) -> int:
+    """``prepack_linears`` where oneDNN's bf16 re-lay or the native kernel runs."""
     fuse = os.environ.get("KVCORE_FUSED_GATE_UP", "1") not in ("0", "")
     gated = {id(m.gate_up_proj) for m in model.modules() if fuse and _silu_gate_up(m)}
     total = 0
@@ -171,15 +192,61 @@ def _upcast_linears(model: nn.Module) -> int:
     # step streams every weight), each copy starting on a 64-byte line.
     sizes = [-(-m.weight.numel() // 16) * 16 for m in mods]
     arena = kv_cache.zeros((sum(sizes),), torch.float32, torch.device("cpu"))
-    start = 0
+    pack = _packs_fp32()
+    start = total = 0
     for mod, size in zip(mods, sizes, strict=True):
         w = mod.weight
         copy = arena[start : start + w.numel()].view(w.shape)
         copy.copy_(w.detach())
         start += size
         bias = None if mod.bias is None else mod.bias.detach().float()
-        mod.upcast = (copy, bias)
-    return sum(m.weight.numel() * 4 for m in mods)
+        # oneDNN's packed copy for few-row calls (``UPCAST_PACKED_ELEMS_PER_ROW``)
+        packed = torch.ops.mkldnn._reorder_linear_weight(copy, 64) if pack else None
+        mod.upcast = (copy, bias, packed)
+        total += w.numel() * 4 * (2 if pack else 1)
+    return total
+
+
+def _packs_fp32() -> bool:
+    return _onednn_packs_fp32() and os.environ.get("KVCORE_PACK_FP32", "1") not in ("0", "")
+
+
+def _pack_fp32_linears(model: nn.Module) -> int:
+    """oneDNN's packed copy of every fp32 CPU weight (an fp32 model: ``mod.upcast`` is the weight
+    itself, the bias, the packed copy) for the few-row calls ``UPCAST_PACKED_ELEMS_PER_ROW``
+    sends there; returns the bytes packed. Nothing where oneDNN cannot pack fp32 or
+    ``KVCORE_PACK_FP32=0``."""
+    if not _packs_fp32():
+        return 0
+    total = 0
+    for mod in model.modules():
+        if not isinstance(mod, (MergedLinear, Linear)):
+            continue
+        w = mod.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+            continue
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+        mod.upcast = (w.detach(), None if mod.bias is None else mod.bias.detach(), packed)
+        total += w.numel() * 4
+    return total
+
+
+@functools.cache
+def _onednn_packs_fp32() -> bool:
+    """Whether this torch has oneDNN's packed linear and it re-lays an fp32 weight (probed once,
+    on a 16 x 16 weight)."""
+    ops = torch.ops.mkldnn
+    if not (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    ):
+        return False
+    try:
+        ops._reorder_linear_weight(torch.ones(16, 16), 64)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _silu_gate_up(mlp: nn.Module) -> bool:
@@ -221,7 +288,7 @@ class MergedLinear(nn.Module):
         self.packed: torch.Tensor | None = None  # prepack_linears: oneDNN's copy of weight
         self.small: linear_cpu.PackedLinear | None = None  # ... and the native kernel's
         self.gated: linear_cpu.PackedLinear | None = None  # ... or its gated one (gate_up_act)
-        self.upcast: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fp32 copies
+        self.upcast: UpcastWeights | None = None  # fp32 copies (and oneDNN's packed one)
 
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Copy checkpoint tensor ``tensor`` (``name``: weight or bias) into shard ``shard``'s
@@ -248,7 +315,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # prepack_linears: oneDNN's copy of weight
         self.small: linear_cpu.PackedLinear | None = None  # ... and the native kernel's
         self.gated: linear_cpu.PackedLinear | None = None  # never set on a plain Linear
-        self.upcast: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fp32 copies
+        self.upcast: UpcastWeights | None = None  # fp32 copies (and oneDNN's packed one)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self)
