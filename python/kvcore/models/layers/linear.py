@@ -17,8 +17,15 @@ do) and ``forward`` calls oneDNN's linear on the packed copy when there are two 
 the same outputs bit for bit (the same kernel). A single row keeps ``F.linear``: oneDNN takes
 another path there, no faster packed, and 8-10 of the LM head's 49,152 logits would round
 differently (``benches/bench_linear_cpu.py`` times and counts both). The cost: one more copy of
-the weights in memory (the plain weight stays: transformers' modules share it). fp32 and fp16
-weights, CUDA, and a compiled forward (inductor packs its own) keep ``F.linear``.
+the weights in memory (the plain weight stays: transformers' modules share it). fp16 weights,
+CUDA, and a compiled forward (inductor packs its own) keep ``F.linear``.
+
+**fp32 weights** (an fp32 model, or the fp32 copies below): ``F.linear`` re-lays them on every
+call too (MKL's GEMM packs the weight per call), which for few rows costs more than the product.
+``prepack_linears`` adds oneDNN's packed fp32 copy, and a call of up to
+``numel / UPCAST_PACKED_ELEMS_PER_ROW`` rows runs on it: decode steps; prefill chunks keep
+``F.linear`` (oneDNN's packed fp32 GEMM is 5-11 % slower there). ``KVCORE_PACK_FP32=0`` turns it
+off.
 
 **kvcore's own kernel for bf16 on CPUs with AVX-512 BF16** (``kvcore_kernels.linear_cpu``). A
 decode step's GEMMs have a few rows and read every weight once, so they run at the speed the
@@ -42,7 +49,7 @@ the plain product followed by ``ops_cpu.silu_and_mul`` (the same roundings).
 **No bf16 GEMM on this CPU** (oneDNN refuses the bf16 re-lay: no AVX-512, no AVX-NE-CONVERT, e.g.
 an AVX2-only Zen 3): ``prepack_linears`` keeps an fp32 copy of each bf16 weight and ``_linear``
 runs the fp32 GEMM on the upcast rows, rounding the product to bf16 (``_upcast_linears``): ~9x
-torch's bf16 ``F.linear`` there, twice the weights' memory.
+torch's bf16 ``F.linear`` there, three times the weights' memory with the packed fp32 copy.
 """
 
 from __future__ import annotations
@@ -102,12 +109,22 @@ def can_prepack() -> bool:
     return _onednn_packs_bf16()
 
 
-@functools.cache
 def _onednn_packs_bf16() -> bool:
     """Whether this torch has oneDNN's packed linear and this CPU lets it re-lay a bf16 weight:
     oneDNN refuses without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT (an AVX2-only Zen 3 raises
-    "bf16 path needs the cpu support ..."), and ``F.linear`` then stays. Probed once, on a
-    16 x 16 weight: the call this module makes, so no CPU-flag list to keep in step."""
+    "bf16 path needs the cpu support ..."), and ``F.linear`` then stays."""
+    return _onednn_packs(torch.bfloat16)
+
+
+def _onednn_packs_fp32() -> bool:
+    """Whether this torch has oneDNN's packed linear and it re-lays an fp32 weight."""
+    return _onednn_packs(torch.float32)
+
+
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Probed once per dtype, on a 16 x 16 weight: the call this module makes, so no CPU-flag
+    list to keep in step."""
     ops = torch.ops.mkldnn
     if not (
         torch.backends.mkldnn.is_available()
@@ -116,7 +133,7 @@ def _onednn_packs_bf16() -> bool:
     ):
         return False
     try:
-        ops._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16))
+        ops._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), 64)
     except RuntimeError:
         return False
     return True
@@ -229,24 +246,6 @@ def _pack_fp32_linears(model: nn.Module) -> int:
         mod.upcast = (w.detach(), None if mod.bias is None else mod.bias.detach(), packed)
         total += w.numel() * 4
     return total
-
-
-@functools.cache
-def _onednn_packs_fp32() -> bool:
-    """Whether this torch has oneDNN's packed linear and it re-lays an fp32 weight (probed once,
-    on a 16 x 16 weight)."""
-    ops = torch.ops.mkldnn
-    if not (
-        torch.backends.mkldnn.is_available()
-        and hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-    ):
-        return False
-    try:
-        ops._reorder_linear_weight(torch.ones(16, 16), 64)
-    except RuntimeError:
-        return False
-    return True
 
 
 def _silu_gate_up(mlp: nn.Module) -> bool:
