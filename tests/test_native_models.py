@@ -151,6 +151,37 @@ def test_bf16_linears_run_in_fp32_where_the_cpu_has_no_bf16_gemm(monkeypatch):
     assert prepack_linears(llm.engine.runner.native) == 0
 
 
+def test_fp32_linears_take_onednns_packed_copy_for_few_rows(monkeypatch):
+    """An fp32 model: each weight gets oneDNN's packed fp32 copy (beside itself, not a copy of
+    it), which takes the calls of up to ``numel / UPCAST_PACKED_ELEMS_PER_ROW`` rows."""
+    if not linear_mod._onednn_packs_fp32():
+        pytest.skip("oneDNN packs no fp32 weight here")
+    model = tiny_llama(seed=4, dtype=torch.float32, **SMALL)
+    llm, got = _run(model, [[5, 6, 7, 8, 9], list(range(3, 20))])
+    mods = [m for m in llm.engine.runner.native.modules() if isinstance(m, (Linear, MergedLinear))]
+    assert mods and all(m.upcast is not None and m.upcast[2] is not None for m in mods)
+    assert all(m.upcast[0].data_ptr() == m.weight.data_ptr() for m in mods)  # no fp32 copy
+    assert llm.engine.runner.prepacked_bytes == sum(m.weight.numel() * 4 for m in mods)
+    assert all(len(t) == 8 for t in got)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(
+        linear_mod.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a)
+    )
+    gen = torch.Generator().manual_seed(1)
+    for per_row, packed in ((linear_mod.UPCAST_PACKED_ELEMS_PER_ROW, 0), (1, 1)):
+        monkeypatch.setattr(linear_mod, "UPCAST_PACKED_ELEMS_PER_ROW", per_row)
+        for mod in mods[:4]:
+            calls.clear()
+            x = torch.randn(3, mod.weight.shape[1], generator=gen)
+            want = F.linear(x, mod.weight, mod.bias)
+            assert torch.allclose(mod(x), want, rtol=1e-5, atol=1e-5)
+            assert len(calls) == packed  # the tiny weights sit under the bound by default
+    monkeypatch.setenv("KVCORE_PACK_FP32", "0")
+    assert prepack_linears(llm.engine.runner.native) == 0
+    assert all(m.upcast is None for m in mods)
+
+
 @pytest.mark.skipif(not can_prepack(), reason="oneDNN packs no bf16 weight here")
 def test_prepacked_bf16_linears_give_the_same_bits(monkeypatch):
     monkeypatch.setenv("KVCORE_SMALL_LINEAR", "0")  # oneDNN's packed copy alone (next test: both)

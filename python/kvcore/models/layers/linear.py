@@ -81,7 +81,7 @@ def _linear(x: torch.Tensor, mod: MergedLinear | Linear) -> torch.Tensor:
             return linear_cpu.linear(x, mod.small, mod.bias)
         if mod.packed is not None and x.numel() > x.shape[-1]:
             return torch.ops.mkldnn._linear_pointwise(x, mod.packed, mod.bias, "none", [], "")
-        if mod.upcast is not None:  # bf16 weights on a CPU without bf16 GEMMs: fp32 GEMM
+        if mod.upcast is not None:  # fp32 GEMM: an fp32 model, or bf16 without bf16 GEMMs
             w, b, packed = mod.upcast
             if packed is not None and rows * UPCAST_PACKED_ELEMS_PER_ROW <= w.numel():
                 y = torch.ops.mkldnn._linear_pointwise(x.float(), packed, b, "none", [], "")
@@ -196,7 +196,8 @@ def _upcast_linears(model: nn.Module) -> int:
     ``F.linear`` there runs ~9 GFLOP/s against fp32's ~88 (AVX2 Zen 3, one thread, SmolLM2's
     gate-up at 48-2,048 rows; 2.4x at one row). The products of bf16 values are exact in fp32 and
     oneDNN's bf16 GEMM sums in fp32 too, so only the order of the sums differs; the output is
-    rounded to bf16 as before. Costs twice the bf16 weights' memory. Returns the bytes made."""
+    rounded to bf16 as before. Costs twice the bf16 weights' memory, four times with oneDNN's
+    packed copy of them (``_packs_fp32``). Returns the bytes made."""
     mods = []
     for mod in model.modules():
         if not isinstance(mod, (MergedLinear, Linear)):
