@@ -18,6 +18,12 @@
 //! at least `COLS_MIN_ROWS` rows per KV head on that path runs in transposed blocks of 16 rows
 //! instead (`cols.rs`: scores of one key for 16 rows per vector, a vertical online softmax).
 //!
+//! Without either (AVX2), an item with at most `DIRECT_MAX_ROWS` rows per KV head (decode) and
+//! an fp32, bf16 or f16 cache skips the K tile's transpose: `qk_direct` dots each query row
+//! with K rows read in place, eight lanes of partial sums per key summed by horizontal adds
+//! (bf16 rows widened as their even and odd dimensions, so the query rows are re-laid to
+//! match), and P.V keeps two sets of accumulators (even and odd keys) for its FMA latency.
+//!
 //! A key is visible to a row if it lies in [qpos - window + 1, qpos] and its block is not
 //! released (block-table entry 0 inside the sequence, when the call says blocks were released):
 //! a bit mask per row and tile. Masked or missing keys point at a zero row, so the null block is
@@ -177,6 +183,23 @@ unsafe fn relay_v_pairs<S: Simd, const F: u8>(
 /// Rows of one KV head from which an item takes the transposed path (`cols.rs`).
 const COLS_MIN_ROWS: usize = 16;
 
+/// Rows of one KV head up to which an item takes `qk_direct` where the instance has it.
+const DIRECT_MAX_ROWS: usize = 8;
+
+/// A query row re-laid for `qk_direct` on bf16 K rows: each 16-dimension chunk as its 8 even
+/// dimensions, then its 8 odd ones.
+#[inline(always)]
+pub(crate) fn evenodd_row(row: &mut [f32]) {
+    for chunk in row.chunks_exact_mut(16) {
+        let mut t = [0f32; 16];
+        for i in 0..8 {
+            t[i] = chunk[2 * i];
+            t[8 + i] = chunk[2 * i + 1];
+        }
+        chunk.copy_from_slice(&t);
+    }
+}
+
 /// Keys ahead of the current tile whose K and V rows are prefetched.
 const PREFETCH_KEYS: i64 = 64;
 
@@ -316,6 +339,36 @@ unsafe fn pv_direct<S: Simd, const F: u8, const NR: usize>(
     let mut cc = 0;
     while cc < d {
         let two = S::PV_PAIRED && cc + 2 * W <= d;
+        if !two && NR <= 3 {
+            // one 16-column pass (AVX2): even and odd keys into two sets of accumulators, so
+            // that 4 * NR FMA chains (two registers per value) are in flight, not 2 * NR
+            let mut a0 = [S::splat(0.0); NR];
+            let mut a1 = [S::splat(0.0); NR];
+            for x in 0..NR {
+                a0[x] = S::load(acc.add(x * d + cc));
+            }
+            let mut j = 0;
+            while j + 1 < nk {
+                let v0 = load_row::<S, F>(vptr[j], cc);
+                let v1 = load_row::<S, F>(vptr[j + 1], cc);
+                for x in 0..NR {
+                    a0[x] = S::splat(*p.add(x * W + j)).fma(v0, a0[x]);
+                    a1[x] = S::splat(*p.add(x * W + j + 1)).fma(v1, a1[x]);
+                }
+                j += 2;
+            }
+            if j < nk {
+                let v0 = load_row::<S, F>(vptr[j], cc);
+                for x in 0..NR {
+                    a0[x] = S::splat(*p.add(x * W + j)).fma(v0, a0[x]);
+                }
+            }
+            for x in 0..NR {
+                a0[x].add(a1[x]).store(acc.add(x * d + cc));
+            }
+            cc += W;
+            continue;
+        }
         let mut a0 = [S::splat(0.0); NR];
         let mut a1 = [S::splat(0.0); NR];
         for x in 0..NR {
@@ -391,6 +444,9 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let cols = dpbf16 && hrows >= COLS_MIN_ROWS && crate::cols::supports(d);
     #[cfg(not(target_arch = "x86_64"))]
     let cols = false;
+    // Few rows per KV head (decode) and a K format the AVX2 instance widens in registers:
+    // scores straight from the K rows (`qk_direct`), no transposed K tile.
+    let direct = S::QK_DIRECT && !dpbf16 && F <= 2 && d % 16 == 0 && hrows <= DIRECT_MAX_ROWS;
     let nblk = if cols { hrows.div_ceil(W) } else { 0 };
     let prow = (h1 - h0) * nblk * W;
     let (acc_t, rest) = rest.split_at_mut(prow * d); // [head][block][d][16]
@@ -424,6 +480,9 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 }
                 if dpbf16 {
                     std::ptr::copy_nonoverlapping(row as *const u16, qb.add(r * d), d);
+                }
+                if direct && F == 1 {
+                    evenodd_row(dst);
                 }
             }
         }
@@ -676,6 +735,18 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                         2 => S::qk_pairs::<2>(qr, d, kp, qs, pr),
                         3 => S::qk_pairs::<3>(qr, d, kp, qs, pr),
                         _ => S::qk_pairs::<4>(qr, d, kp, qs, pr),
+                    }
+                    r += 4;
+                }
+            } else if direct {
+                let mut r = r_lo;
+                while r < r_hi {
+                    let (qr, pr) = (qh.add(r * d), p.as_mut_ptr().add(r * W));
+                    match r_hi - r {
+                        1 => S::qk_direct::<F, 1>(qr, d, &kptr, nk, pr),
+                        2 => S::qk_direct::<F, 2>(qr, d, &kptr, nk, pr),
+                        3 => S::qk_direct::<F, 3>(qr, d, &kptr, nk, pr),
+                        _ => S::qk_direct::<F, 4>(qr, d, &kptr, nk, pr),
                     }
                     r += 4;
                 }

