@@ -213,19 +213,24 @@ fn elem_bytes(f: u8) -> usize {
     }
 }
 
-/// Ask for the cache lines of a row (a hint: no fault, no effect on results).
+/// Ask for the cache lines of a row (a hint: no fault, no effect on results), into L1 or, with
+/// `l2`, into L2 only.
 #[inline(always)]
-unsafe fn prefetch_row(p: *const u8, bytes: usize) {
+unsafe fn prefetch_row(p: *const u8, bytes: usize, l2: bool) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
         let mut o = 0;
         while o < bytes {
-            _mm_prefetch::<_MM_HINT_T0>(p.add(o) as *const i8);
+            if l2 {
+                _mm_prefetch::<_MM_HINT_T1>(p.add(o) as *const i8);
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(p.add(o) as *const i8);
+            }
             o += 64;
         }
     }
-    let _ = (p, bytes);
+    let _ = (p, bytes, l2);
 }
 
 /// Format as the const generic `run_item` is instantiated with.
@@ -544,8 +549,12 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 let r =
                     c.kv.add(blk as usize * c.stride_block + pf_t * c.stride_tok);
                 for hh in h0..h1 {
-                    prefetch_row(r.add(hh * c.stride_head), row_bytes);
-                    prefetch_row(r.add(hh * c.stride_head + c.v_offset), row_bytes);
+                    prefetch_row(r.add(hh * c.stride_head), row_bytes, S::PREFETCH_L2);
+                    prefetch_row(
+                        r.add(hh * c.stride_head + c.v_offset),
+                        row_bytes,
+                        S::PREFETCH_L2,
+                    );
                 }
             }
             pf_key += 1;
