@@ -122,6 +122,7 @@ def test_bf16_linears_run_in_fp32_where_the_cpu_has_no_bf16_gemm(monkeypatch):
     the product rounded to bf16 (torch's bf16 F.linear there is ~10x slower)."""
     monkeypatch.setattr(linear_mod, "_onednn_packs_bf16", lambda: False)
     monkeypatch.setattr(linear_mod, "can_pack_small", lambda: False)
+    monkeypatch.setattr(linear_mod, "can_pack_small_avx2", lambda: False)
     model = tiny_llama(seed=3, dtype=torch.bfloat16, **SMALL)
     llm, got = _run(model, [[5, 6, 7, 8, 9], list(range(3, 20))])
     mods = [m for m in llm.engine.runner.native.modules() if isinstance(m, (Linear, MergedLinear))]
@@ -254,6 +255,49 @@ def test_small_batches_take_the_native_linear_and_large_ones_onednn(monkeypatch)
                 assert onednn_calls == len(mods) and torch.equal(got.float(), plain)
     monkeypatch.setenv("KVCORE_SMALL_LINEAR", "0")
     assert not can_pack_small()
+
+
+@pytest.mark.skipif(
+    can_prepack() or not linear_mod.can_pack_small_avx2(),
+    reason="not an AVX2 CPU without a bf16 GEMM (the AVX2 small-batch path is off)",
+)
+def test_upcast_bf16_few_rows_take_the_native_avx2_linear(monkeypatch):
+    """No bf16 GEMM here (Zen 3): bf16 weights run as fp32 copies, but calls of up to
+    ``UPCAST_SMALL_ROWS`` rows take the native kernel's AVX2 path on a bf16 pack (half the
+    bytes streamed); more rows keep oneDNN's fp32 GEMM, bit for bit as before."""
+    hf = _hf("tiny-qwen2", dtype=torch.bfloat16)  # q/k/v carry a bias
+    native, _ = native_model(hf)
+    prepack_linears(native)
+    mods = [m for m in native.modules() if isinstance(m, (Linear, MergedLinear))]
+    assert mods and all(m.upcast is not None and m.small is not None for m in mods)
+    assert all(m.gated is None for m in mods)  # the AVX2 path packs plain weights only
+    limit = linear_mod.UPCAST_SMALL_ROWS
+    gen = torch.Generator().manual_seed(6)
+    for rows in (1, limit, limit + 1, 13):
+        x = torch.randn(rows, hf.config.hidden_size, generator=gen).bfloat16()
+        for mod in (m for m in mods if m.weight.shape[1] == hf.config.hidden_size):
+            got = linear_mod._linear(x, mod)
+            w, b, _ = mod.upcast
+            fp32 = F.linear(x.float(), w, b).to(torch.bfloat16)
+            if rows > limit:  # oneDNN's fp32 GEMM, as before
+                packed = torch.ops.mkldnn._linear_pointwise(
+                    x.float(), mod.upcast[2], b, "none", [], ""
+                )
+                assert torch.equal(got, fp32) or torch.equal(got, packed.to(torch.bfloat16))
+                continue
+            # the native kernel: exact bf16 products summed in fp32 in another order
+            assert torch.equal(got, linear_cpu.linear(x, mod.small, mod.bias))
+            err = (got.float() - fp32.float()).abs().max() / fp32.float().abs().max()
+            assert err < 0.02
+    ids = torch.randint(3, 256, (3,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        fast = native(ids, torch.arange(3), torch.arange(3), DenseStep()).float()
+        monkeypatch.setattr(linear_mod, "UPCAST_SMALL_ROWS", 0)
+        slow = native(ids, torch.arange(3), torch.arange(3), DenseStep()).float()
+    assert (fast - slow).abs().max() / slow.abs().max() < 0.05
+    assert (fast.argmax(-1) == slow.argmax(-1)).float().mean() >= 0.6
+    monkeypatch.setenv("KVCORE_SMALL_LINEAR", "0")
+    assert not linear_mod.can_pack_small_avx2()
 
 
 @pytest.mark.skipif(not can_pack_small(), reason="no AVX-512 BF16: the small-batch kernel is off")

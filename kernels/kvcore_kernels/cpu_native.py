@@ -412,6 +412,12 @@ def linear_fast_path() -> bool:
     return _native is not None and bool(_native.linear_fast_path())
 
 
+def linear_avx2_path() -> bool:
+    """Whether the small-batch linear has its AVX2 path for plain (not gated) weights here (an
+    AVX2 CPU without AVX-512 BF16; False without the extension)."""
+    return _native is not None and bool(_native.linear_avx2_path())
+
+
 def linear(
     x: int, x_stride: int, rows: int, k: int, w: int, n_out: int, bias: int, out: int,
     out_stride: int, glu: bool = False,

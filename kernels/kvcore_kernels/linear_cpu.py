@@ -76,6 +76,13 @@ def fast_path() -> bool:
     return cpu_native.linear_fast_path()
 
 
+def avx2_path() -> bool:
+    """Whether the native kernel has its AVX2 path here (AVX2 and FMA, no AVX-512 BF16): plain
+    weights only (a gated one runs the portable loop), bf16 widened to fp32 in registers, so
+    the fp32 FMAs read half the bytes of an fp32 copy."""
+    return cpu_native.linear_avx2_path()
+
+
 def pack_linear(weight: torch.Tensor, glu: bool = False) -> PackedLinear:
     """Pack a 2-D bf16 CPU weight ``[n_out, k]`` (``k`` even) for ``linear``; a new tensor. With
     ``glu``, ``weight`` is a fused gate-up ``[2I, k]`` (gate rows first) and ``linear`` returns

@@ -21,6 +21,10 @@
 //! `bf16(bf16(silu(bf16(g))) * bf16(u))`, the bits `ops.rs`'s `SiluMul` makes from the plain
 //! product's bf16 output, without writing or reading that `[M, 2 I]` intermediate.
 //!
+//! **AVX2** (`avx2`, no AVX-512 BF16: a Zen 3): plain panels only, each 32-byte load widened to
+//! fp32 (a shift for the even input, a mask for the odd) and two FMAs per row; half the bytes of
+//! the fp32 copy such a CPU otherwise runs bf16 weights on, ~85 GFLOP/s on two threads.
+//!
 //! Invariants: `K` is even; `x` rows hold `K` bf16 (unit stride), `out` rows `N` bf16. Results
 //! are fp32 sums of bf16 products rounded once to bf16 (round to nearest even), like oneDNN's;
 //! the summation order differs from it, so bits may differ in the last place. Tasks are runs of
@@ -283,6 +287,97 @@ pub mod avx512 {
     }
 }
 
+/// The same panels on AVX2 + FMA (no bf16 dot product: a Zen 3, where oneDNN has no bf16 GEMM
+/// and kvcore's bf16 weights otherwise run as fp32 copies). Each 32-byte load is 8 columns x 2
+/// inputs, widened to fp32 by a shift (the even input's weights) and a mask (the odd one's),
+/// then two FMAs per row against the row's input pair, broadcast and widened the same way.
+/// Rows run in chunks of up to `MR` = 2 (8 accumulators of 8 columns; 3 registers for the
+/// weights being widened, 2 for the inputs); later chunks read the panel again from L1/L2.
+/// Plain panels only (callers keep the gated pack off this path). The sums are the exact
+/// bf16 x bf16 products added in fp32, as the fp32 GEMM on upcast copies adds them, in another
+/// order.
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    use super::{Linear, NB};
+    use std::arch::x86_64::*;
+
+    /// Rows per chunk.
+    pub const MR: usize = 2;
+    /// Prefetch distance in bytes ahead of the panel row being read (first chunk only).
+    const PREFETCH: usize = 2048;
+
+    #[inline(always)]
+    unsafe fn chunk<const R: usize>(c: &Linear, p: usize, m0: usize, pf: bool) {
+        let kp_n = c.k / 2;
+        let mut acc = [[_mm256_setzero_ps(); 4]; R];
+        let mut x = [std::ptr::null::<u16>(); R];
+        for (r, xr) in x.iter_mut().enumerate() {
+            *xr = c.x.add((m0 + r) * c.x_stride);
+        }
+        let hi = _mm256_set1_epi32(-65536);
+        let panel = c.w.add(p * kp_n * NB);
+        for kp in 0..kp_n {
+            let row = panel.add(kp * NB);
+            if pf {
+                let ahead = (row as *const i8).add(PREFETCH);
+                _mm_prefetch::<_MM_HINT_T0>(ahead);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.add(64));
+            }
+            let mut xe = [_mm256_setzero_ps(); R];
+            let mut xo = [_mm256_setzero_ps(); R];
+            for r in 0..R {
+                let v = _mm256_set1_epi32((x[r].add(2 * kp) as *const i32).read_unaligned());
+                xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+                xo[r] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+            }
+            for q in 0..4 {
+                let w = _mm256_loadu_si256(row.add(8 * q) as *const __m256i);
+                let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
+                let wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+                for r in 0..R {
+                    acc[r][q] = _mm256_fmadd_ps(xe[r], we, acc[r][q]);
+                    acc[r][q] = _mm256_fmadd_ps(xo[r], wo, acc[r][q]);
+                }
+            }
+        }
+        let n0 = p * NB;
+        let cols = NB.min(c.n_out - n0);
+        let mut buf = [0f32; NB];
+        for (r, a) in acc.iter().enumerate() {
+            for (q, v) in a.iter().enumerate() {
+                _mm256_storeu_ps(buf.as_mut_ptr().add(8 * q), *v);
+            }
+            let out = c.out.add((m0 + r) * c.out_stride + n0);
+            for (j, &s) in buf.iter().enumerate().take(cols) {
+                let b = if c.bias.is_null() {
+                    0.0
+                } else {
+                    crate::simd::bf16_to_f32(*c.bias.add(n0 + j))
+                };
+                *out.add(j) = crate::simd::f32_to_bf16(s + b);
+            }
+        }
+    }
+
+    /// Panels `lo .. hi`, all rows, `MR` rows at a time.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn run_panels(c: &Linear, lo: usize, hi: usize) {
+        for p in lo..hi {
+            let mut m0 = 0;
+            while m0 < c.rows {
+                let pf = m0 == 0; // later chunks find the panel in L1/L2
+                if c.rows - m0 >= 2 {
+                    chunk::<2>(c, p, m0, pf);
+                    m0 += 2;
+                } else {
+                    chunk::<1>(c, p, m0, pf);
+                    m0 += 1;
+                }
+            }
+        }
+    }
+}
+
 /// Whether this CPU runs the AVX-512 BF16 path (else the portable one, far slower: callers
 /// keep their own GEMM there).
 pub fn has_fast_path() -> bool {
@@ -296,11 +391,31 @@ pub fn has_fast_path() -> bool {
     }
 }
 
-/// Panels `lo .. hi` on the fast path where the CPU has it, unless `portable`.
+/// Whether this CPU runs the AVX2 path for plain (not gated) panels: AVX2 and FMA, no AVX-512
+/// BF16.
+pub fn has_avx2_path() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        !has_fast_path()
+            && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Panels `lo .. hi` on the fast path where the CPU has it (AVX-512 BF16, or AVX2 for plain
+/// panels), unless `portable`.
 pub unsafe fn run_panels(c: &Linear, lo: usize, hi: usize, portable: bool) {
     #[cfg(target_arch = "x86_64")]
     if !portable && has_fast_path() {
         return avx512::run_panels(c, lo, hi);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if !portable && !c.glu && has_avx2_path() {
+        return avx2::run_panels(c, lo, hi);
     }
     let _ = portable;
     run_panels_portable(c, lo, hi)

@@ -318,6 +318,12 @@ fn linear_fast_path() -> bool {
     crate::linear::has_fast_path()
 }
 
+/// Whether the small-batch linear has its AVX2 path (plain panels) on this CPU.
+#[pyfunction]
+fn linear_avx2_path() -> bool {
+    crate::linear::has_avx2_path()
+}
+
 /// Record libgomp's `GOMP_parallel` address (0: none) for thread mode 1.
 #[pyfunction]
 fn set_gomp_parallel(addr: usize) {
@@ -348,6 +354,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(elementwise, m)?)?;
     m.add_function(wrap_pyfunction!(linear, m)?)?;
     m.add_function(wrap_pyfunction!(linear_fast_path, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_avx2_path, m)?)?;
     m.add_function(wrap_pyfunction!(set_gomp_parallel, m)?)?;
     m.add_function(wrap_pyfunction!(features, m)?)?;
     Ok(())

@@ -50,6 +50,11 @@ the plain product followed by ``ops_cpu.silu_and_mul`` (the same roundings).
 an AVX2-only Zen 3): ``prepack_linears`` keeps an fp32 copy of each bf16 weight and ``_linear``
 runs the fp32 GEMM on the upcast rows, rounding the product to bf16 (``_upcast_linears``): ~9x
 torch's bf16 ``F.linear`` there, three times the weights' memory with the packed fp32 copy.
+Calls of up to ``UPCAST_SMALL_ROWS`` rows take the native kernel's AVX2 path on a bf16 pack of
+the weight instead (``linear_cpu.avx2_path``): bf16 widened to fp32 in registers, so a step of a
+few rows streams half the bytes of the fp32 copy (2 threads, Zen 3, SmolLM2's shapes: 1.4-3.2x
+oneDNN's best at 1-4 rows, 0.5-0.7x from 16 rows, where the GEMM is compute-bound and oneDNN's
+kernels win). ``KVCORE_SMALL_LINEAR=0`` turns it off too.
 """
 
 from __future__ import annotations
@@ -72,12 +77,19 @@ from torch import nn
 SMALL_ROWS: int | None = 16 if linear_cpu.has_amx() else None
 
 
+# Rows up to which a bf16 weight upcast to fp32 (no bf16 GEMM here) runs on the native kernel's
+# AVX2 path: 1.4-3.2x oneDNN's best fp32 GEMM at 1-4 rows on every SmolLM2 shape (2-thread Zen 3),
+# 0.8-1.25x by shape at 8, slower from 12 (benches/tools/linear_avx2_bf16.py).
+UPCAST_SMALL_ROWS = 4
+
+
 def _linear(x: torch.Tensor, mod: MergedLinear | Linear) -> torch.Tensor:
     # is_compiling first: a traced forward never looks at the packed (mkldnn) tensor. One row
     # keeps F.linear: oneDNN takes another path for it, no faster packed, and not the same bits.
     if not torch.compiler.is_compiling():
         rows = x.shape[0]
-        if mod.small is not None and x.dim() == 2 and (SMALL_ROWS is None or rows <= SMALL_ROWS):
+        limit = SMALL_ROWS if mod.upcast is None else UPCAST_SMALL_ROWS
+        if mod.small is not None and x.dim() == 2 and (limit is None or rows <= limit):
             return linear_cpu.linear(x, mod.small, mod.bias)
         if mod.packed is not None and x.numel() > x.shape[-1]:
             return torch.ops.mkldnn._linear_pointwise(x, mod.packed, mod.bias, "none", [], "")
@@ -147,6 +159,14 @@ def can_pack_small() -> bool:
     return linear_cpu.fast_path()
 
 
+def can_pack_small_avx2() -> bool:
+    """Whether the native small-batch linear's AVX2 path runs here, for the few-row calls of
+    bf16 weights upcast to fp32 (``KVCORE_SMALL_LINEAR=0`` turns it off)."""
+    if os.environ.get("KVCORE_SMALL_LINEAR", "1") in ("0", ""):
+        return False
+    return linear_cpu.avx2_path()
+
+
 def prepack_linears(model: nn.Module) -> int:
     """Pack the weight of every ``Linear`` / ``MergedLinear`` of ``model`` that is bf16 on the
     CPU for the native kernel where ``can_pack_small()`` (gated, for a SiLU MLP's gate-up:
@@ -197,7 +217,8 @@ def _upcast_linears(model: nn.Module) -> int:
     gate-up at 48-2,048 rows; 2.4x at one row). The products of bf16 values are exact in fp32 and
     oneDNN's bf16 GEMM sums in fp32 too, so only the order of the sums differs; the output is
     rounded to bf16 as before. Costs twice the bf16 weights' memory, four times with oneDNN's
-    packed copy of them (``_packs_fp32``). Returns the bytes made."""
+    packed copy of them (``_packs_fp32``), five with the native kernel's bf16 pack for calls of
+    up to ``UPCAST_SMALL_ROWS`` rows (``can_pack_small_avx2``). Returns the bytes made."""
     mods = []
     for mod in model.modules():
         if not isinstance(mod, (MergedLinear, Linear)):
@@ -210,7 +231,7 @@ def _upcast_linears(model: nn.Module) -> int:
     # step streams every weight), each copy starting on a 64-byte line.
     sizes = [-(-m.weight.numel() // 16) * 16 for m in mods]
     arena = kv_cache.zeros((sum(sizes),), torch.float32, torch.device("cpu"))
-    pack = _packs_fp32()
+    pack, small = _packs_fp32(), can_pack_small_avx2()
     start = total = 0
     for mod, size in zip(mods, sizes, strict=True):
         w = mod.weight
@@ -222,6 +243,9 @@ def _upcast_linears(model: nn.Module) -> int:
         packed = torch.ops.mkldnn._reorder_linear_weight(copy, 64) if pack else None
         mod.upcast = (copy, bias, packed)
         total += w.numel() * 4 * (2 if pack else 1)
+        if small and w.shape[1] % 2 == 0 and (mod.bias is None or mod.bias.dtype == w.dtype):
+            mod.small = linear_cpu.pack_linear(w.detach())
+            total += mod.small.nbytes
     return total
 
 
