@@ -303,6 +303,11 @@ pub mod avx2 {
 
     /// Rows per chunk.
     pub const MR: usize = 2;
+
+    thread_local! {
+        /// A chunk's rows of `x` as fp32.
+        static XS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
     /// Prefetch distance in bytes ahead of the panel row being read (first chunk only).
     const PREFETCH: usize = 2048;
 
@@ -315,6 +320,21 @@ pub mod avx2 {
             *xr = c.x.add((m0 + r) * c.x_stride);
         }
         let hi = _mm256_set1_epi32(-65536);
+        // the chunk's rows widened to fp32 once (per-thread scratch, grown, never freed), so
+        // that each input is one broadcast load in the loop, not a broadcast and a widening
+        let k = c.k;
+        let xs = XS.with(|cell| {
+            let mut v = cell.borrow_mut();
+            if v.len() < R * k {
+                v.resize(R * k, 0.0);
+            }
+            v.as_mut_ptr()
+        });
+        for (r, xr) in x.iter().enumerate() {
+            for i in 0..k {
+                *xs.add(r * k + i) = crate::simd::bf16_to_f32(*xr.add(i));
+            }
+        }
         let panel = c.w.add(p * kp_n * NB);
         for kp in 0..kp_n {
             let row = panel.add(kp * NB);
@@ -326,9 +346,8 @@ pub mod avx2 {
             let mut xe = [_mm256_setzero_ps(); R];
             let mut xo = [_mm256_setzero_ps(); R];
             for r in 0..R {
-                let v = _mm256_set1_epi32((x[r].add(2 * kp) as *const i32).read_unaligned());
-                xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
-                xo[r] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+                xe[r] = _mm256_broadcast_ss(&*xs.add(r * k + 2 * kp));
+                xo[r] = _mm256_broadcast_ss(&*xs.add(r * k + 2 * kp + 1));
             }
             for q in 0..4 {
                 let w = _mm256_loadu_si256(row.add(8 * q) as *const __m256i);

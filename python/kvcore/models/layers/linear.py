@@ -80,7 +80,7 @@ SMALL_ROWS: int | None = 16 if linear_cpu.has_amx() else None
 # Rows up to which a bf16 weight upcast to fp32 (no bf16 GEMM here) runs on the native kernel's
 # AVX2 path: 1.4-3.2x oneDNN's best fp32 GEMM at 1-4 rows on every SmolLM2 shape (2-thread Zen 3),
 # 0.8-1.25x by shape at 8, slower from 12 (benches/tools/linear_avx2_bf16.py).
-UPCAST_SMALL_ROWS = 4
+UPCAST_SMALL_ROWS = 64
 
 
 def _linear(x: torch.Tensor, mod: MergedLinear | Linear) -> torch.Tensor:
