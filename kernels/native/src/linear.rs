@@ -23,7 +23,8 @@
 //!
 //! **AVX2** (`avx2`, no AVX-512 BF16: a Zen 3): plain panels only, each 32-byte load widened to
 //! fp32 (a shift for the even input, a mask for the odd) and two FMAs per row; half the bytes of
-//! the fp32 copy such a CPU otherwise runs bf16 weights on, ~85 GFLOP/s on two threads.
+//! the fp32 copy such a CPU otherwise runs bf16 weights on; a chunk's rows of `x` are widened
+//! once into per-thread scratch (grown, never freed). ~150 GFLOP/s on two threads (a Zen 3).
 //!
 //! Invariants: `K` is even; `x` rows hold `K` bf16 (unit stride), `out` rows `N` bf16. Results
 //! are fp32 sums of bf16 products rounded once to bf16 (round to nearest even), like oneDNN's;
@@ -290,7 +291,8 @@ pub mod avx512 {
 /// The same panels on AVX2 + FMA (no bf16 dot product: a Zen 3, where oneDNN has no bf16 GEMM
 /// and kvcore's bf16 weights otherwise run as fp32 copies). Each 32-byte load is 8 columns x 2
 /// inputs, widened to fp32 by a shift (the even input's weights) and a mask (the odd one's),
-/// then two FMAs per row against the row's input pair, broadcast and widened the same way.
+/// then two FMAs per row against the row's two inputs, broadcast from the chunk's rows widened
+/// to fp32 once (per-thread scratch).
 /// Rows run in chunks of up to `MR` = 2 (8 accumulators of 8 columns; 3 registers for the
 /// weights being widened, 2 for the inputs); later chunks read the panel again from L1/L2.
 /// Plain panels only (callers keep the gated pack off this path). The sums are the exact

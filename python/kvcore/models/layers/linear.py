@@ -52,9 +52,9 @@ runs the fp32 GEMM on the upcast rows, rounding the product to bf16 (``_upcast_l
 torch's bf16 ``F.linear`` there, three times the weights' memory with the packed fp32 copy.
 Calls of up to ``UPCAST_SMALL_ROWS`` rows take the native kernel's AVX2 path on a bf16 pack of
 the weight instead (``linear_cpu.avx2_path``): bf16 widened to fp32 in registers, so a step of a
-few rows streams half the bytes of the fp32 copy (2 threads, Zen 3, SmolLM2's shapes: 1.4-3.2x
-oneDNN's best at 1-4 rows, 0.5-0.7x from 16 rows, where the GEMM is compute-bound and oneDNN's
-kernels win). ``KVCORE_SMALL_LINEAR=0`` turns it off too.
+few rows streams half the bytes of the fp32 copy (2 threads, Zen 3, SmolLM2's shapes: 2.0-3.3x
+oneDNN's best fp32 GEMM at 1-4 rows, 1.05-1.2x at 48-64, even at 128, where the GEMM is
+compute-bound). ``KVCORE_SMALL_LINEAR=0`` turns it off too.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ SMALL_ROWS: int | None = 16 if linear_cpu.has_amx() else None
 
 
 # Rows up to which a bf16 weight upcast to fp32 (no bf16 GEMM here) runs on the native kernel's
-# AVX2 path: 1.4-3.2x oneDNN's best fp32 GEMM at 1-4 rows on every SmolLM2 shape (2-thread Zen 3),
-# 0.8-1.25x by shape at 8, slower from 12 (benches/tools/linear_avx2_bf16.py).
+# AVX2 path: 2.0-3.3x oneDNN's best fp32 GEMM at 1-4 rows on every SmolLM2 shape (2-thread Zen 3),
+# 1.05-1.11x at 64, 0.94-1.01x at 128 (benches/tools/linear_avx2_bf16.py).
 UPCAST_SMALL_ROWS = 64
 
 
