@@ -15,14 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 from kvcore_kernels import linear_cpu
-
-SHAPES = {  # name: (out features, in features)
-    "qkv": (960, 576),
-    "o": (576, 576),
-    "gate_up": (3072, 576),
-    "down": (576, 1536),
-    "lm_head": (49152, 576),
-}
+from linear_fp32_onednn import SHAPES  # SmolLM2's shapes, name: (out features, in features)
 
 
 def best_ms(fns, rounds: int = 7, calls: int = 5) -> dict[str, float]:
