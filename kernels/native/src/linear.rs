@@ -307,36 +307,20 @@ pub mod avx2 {
     pub const MR: usize = 2;
 
     thread_local! {
-        /// A chunk's rows of `x` as fp32.
+        /// A task's rows of `x` as fp32.
         static XS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
     /// Prefetch distance in bytes ahead of the panel row being read (first chunk only).
     const PREFETCH: usize = 2048;
 
+    /// `R` rows from `m0` of panel `p`; `xs` holds all rows of `x` widened to fp32 (`k` apart).
     #[inline(always)]
-    unsafe fn chunk<const R: usize>(c: &Linear, p: usize, m0: usize, pf: bool) {
+    unsafe fn chunk<const R: usize>(c: &Linear, xs: *const f32, p: usize, m0: usize, pf: bool) {
         let kp_n = c.k / 2;
-        let mut acc = [[_mm256_setzero_ps(); 4]; R];
-        let mut x = [std::ptr::null::<u16>(); R];
-        for (r, xr) in x.iter_mut().enumerate() {
-            *xr = c.x.add((m0 + r) * c.x_stride);
-        }
-        let hi = _mm256_set1_epi32(-65536);
-        // the chunk's rows widened to fp32 once (per-thread scratch, grown, never freed), so
-        // that each input is one broadcast load in the loop, not a broadcast and a widening
         let k = c.k;
-        let xs = XS.with(|cell| {
-            let mut v = cell.borrow_mut();
-            if v.len() < R * k {
-                v.resize(R * k, 0.0);
-            }
-            v.as_mut_ptr()
-        });
-        for (r, xr) in x.iter().enumerate() {
-            for i in 0..k {
-                *xs.add(r * k + i) = crate::simd::bf16_to_f32(*xr.add(i));
-            }
-        }
+        let mut acc = [[_mm256_setzero_ps(); 4]; R];
+        let hi = _mm256_set1_epi32(-65536);
+        let xs = xs.add(m0 * k);
         let panel = c.w.add(p * kp_n * NB);
         for kp in 0..kp_n {
             let row = panel.add(kp * NB);
@@ -380,18 +364,34 @@ pub mod avx2 {
         }
     }
 
-    /// Panels `lo .. hi`, all rows, `MR` rows at a time.
+    /// Panels `lo .. hi`, all rows, `MR` rows at a time. The rows of `x` are widened to fp32
+    /// once per task (per-thread scratch, grown, never freed), so that each input is one
+    /// broadcast load in the loop, not a broadcast and a widening.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn run_panels(c: &Linear, lo: usize, hi: usize) {
+        let k = c.k;
+        let xs = XS.with(|cell| {
+            let mut v = cell.borrow_mut();
+            if v.len() < c.rows * k {
+                v.resize(c.rows * k, 0.0);
+            }
+            v.as_mut_ptr()
+        });
+        for m in 0..c.rows {
+            let x = c.x.add(m * c.x_stride);
+            for i in 0..k {
+                *xs.add(m * k + i) = crate::simd::bf16_to_f32(*x.add(i));
+            }
+        }
         for p in lo..hi {
             let mut m0 = 0;
             while m0 < c.rows {
                 let pf = m0 == 0; // later chunks find the panel in L1/L2
                 if c.rows - m0 >= 2 {
-                    chunk::<2>(c, p, m0, pf);
+                    chunk::<2>(c, xs, p, m0, pf);
                     m0 += 2;
                 } else {
-                    chunk::<1>(c, p, m0, pf);
+                    chunk::<1>(c, xs, p, m0, pf);
                     m0 += 1;
                 }
             }
