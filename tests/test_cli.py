@@ -206,3 +206,29 @@ def test_ctrl_c_on_generate_stops_the_stream():
 
 def test_console_script_is_installed():
     assert shutil.which("kvcore") or shutil.which("kvcore", path=".venv/bin")
+
+
+def test_compare_runs_transformers_at_its_best_dtype(capsys):
+    """``--compare``'s peer: the engine's model, except half precision on a CPU where
+    transformers' bf16 GEMM is slower than fp32 (there: an fp32 copy of the same weights)."""
+    import argparse
+
+    import torch
+    from kvcore import LLM
+    from kvcore.entrypoints.cli.main import compare_model
+    from kvcore.models.dtype import cpu_runs_bf16
+
+    args = argparse.Namespace(model="tiny-llama", seed=3)
+    fp32 = LLM("tiny-llama", seed=3, num_blocks=16)
+    assert compare_model(fp32, args) is fp32.engine.model
+    bf16 = LLM("tiny-llama", seed=3, num_blocks=16, dtype="bfloat16")
+    peer = compare_model(bf16, args)
+    if cpu_runs_bf16(False):
+        assert peer is bf16.engine.model
+        return
+    assert peer.dtype == torch.float32 and "float32" in capsys.readouterr().err
+    want = {k: v.float() for k, v in bf16.engine.model.state_dict().items()}
+    got = peer.state_dict()
+    assert want.keys() == got.keys()
+    # the same checkpoint: each fp32 weight rounds to the engine's bf16 one
+    assert all(torch.equal(got[k].bfloat16().float(), want[k]) for k in want)

@@ -113,3 +113,16 @@ def test_quantized_kv_formats_keep_the_answers(smol):
     assert [c.token_ids for c in run("int8")] == [c.token_ids for c in ref]
     for fmt in ("fp8_e4m3", "kivi2"):
         assert "Paris" in run(fmt)[-1].text, fmt
+
+
+def test_auto_dtype_is_what_the_forward_runs_fastest():
+    """``dtype="auto"``: SmolLM2's declared bfloat16 where this CPU runs it faster than fp32 for
+    the forward the engine will run (kvcore's eager code: native bf16 or the AVX2 linear), fp32
+    for transformers' modules on a CPU without native bf16 (their bf16 GEMM is ~10x slower)."""
+    from kvcore.models.dtype import cpu_has_native_bf16, cpu_runs_bf16
+
+    want = torch.bfloat16 if cpu_runs_bf16() else torch.float32
+    assert LLM("smollm2-135m", num_blocks=16).engine.model.dtype == want
+    hf = LLM("smollm2-135m", num_blocks=16, model_impl="transformers")
+    assert hf.engine.runner.model_impl == "transformers"
+    assert hf.engine.model.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)

@@ -267,8 +267,15 @@ def test_upcast_bf16_few_rows_take_the_native_avx2_linear(monkeypatch):
     bytes streamed); more rows keep oneDNN's fp32 GEMM, bit for bit as before."""
     hf = _hf("tiny-qwen2", dtype=torch.bfloat16)  # q/k/v carry a bias
     native, _ = native_model(hf)
-    prepack_linears(native)
     mods = [m for m in native.modules() if isinstance(m, (Linear, MergedLinear))]
+    # oneDNN's packed fp32 copy only where it takes calls the native pack does not: none of the
+    # tiny weights at the default bound, every one at one element per row
+    fp32 = sum(m.weight.numel() * 4 for m in mods)
+    for per_row, packs in ((linear_mod.UPCAST_PACKED_ELEMS_PER_ROW, False), (1, True)):
+        monkeypatch.setattr(linear_mod, "UPCAST_PACKED_ELEMS_PER_ROW", per_row)
+        n = prepack_linears(native)
+        assert all((m.upcast[2] is not None) == packs for m in mods)
+        assert n == fp32 * (2 if packs else 1) + sum(m.small.nbytes for m in mods)
     assert mods and all(m.upcast is not None and m.small is not None for m in mods)
     assert all(m.gated is None for m in mods)  # the AVX2 path packs plain weights only
     limit = linear_mod.UPCAST_SMALL_ROWS
@@ -279,11 +286,11 @@ def test_upcast_bf16_few_rows_take_the_native_avx2_linear(monkeypatch):
             got = linear_mod._linear(x, mod)
             w, b, _ = mod.upcast
             fp32 = F.linear(x.float(), w, b).to(torch.bfloat16)
-            if rows > limit:  # oneDNN's fp32 GEMM, as before
+            if rows > limit:  # oneDNN's fp32 GEMM (packed: rows <= numel), as before
                 packed = torch.ops.mkldnn._linear_pointwise(
                     x.float(), mod.upcast[2], b, "none", [], ""
                 )
-                assert torch.equal(got, fp32) or torch.equal(got, packed.to(torch.bfloat16))
+                assert torch.equal(got, packed.to(torch.bfloat16))
                 continue
             # the native kernel: exact bf16 products summed in fp32 in another order
             assert torch.equal(got, linear_cpu.linear(x, mod.small, mod.bias))
@@ -379,3 +386,15 @@ def test_auto_dtype_follows_the_declared_dtype_where_the_cpu_computes_it(monkeyp
     monkeypatch.setattr(cpu_dtype, "cpu_has_native_bf16", lambda: False)
     assert auto_dtype(torch.bfloat16, cpu) == torch.float32
     assert auto_dtype(torch.bfloat16, cuda) == torch.bfloat16
+    # no native bf16: bf16 only for kvcore's eager forward where the AVX2 linear runs (Zen 3)
+    linear_path = not linear_mod.can_prepack() and linear_mod.can_pack_small_avx2()
+    assert cpu_dtype.cpu_runs_bf16() == linear_path and not cpu_dtype.cpu_runs_bf16(False)
+    want = torch.bfloat16 if linear_path else torch.float32
+    assert auto_dtype(torch.bfloat16, cpu, kvcore_eager=True) == want
+    assert auto_dtype(torch.bfloat16, cpu) == torch.float32  # the model's own modules
+    assert auto_dtype(torch.float16, cpu, kvcore_eager=True) == torch.float32
+    monkeypatch.setattr(linear_mod, "can_pack_small_avx2", lambda: True)
+    monkeypatch.setattr(linear_mod, "can_prepack", lambda: False)
+    assert auto_dtype(torch.bfloat16, cpu, kvcore_eager=True) == torch.bfloat16
+    monkeypatch.setenv("KVCORE_PREPACK", "0")  # no packing: torch's slow bf16 GEMM
+    assert auto_dtype(torch.bfloat16, cpu, kvcore_eager=True) == torch.float32

@@ -43,8 +43,9 @@ class EngineArgs:
     tokenizer: Any = _arg(None, "a tokenizer object or path (default: the model's)", cli=False)
     dtype: Any = _arg(
         "auto",
-        "model (and KV) dtype; auto: the checkpoint's (fp32 for SmolLM2). bfloat16 is ~3x "
-        "faster on CPUs with AMX/AVX512-BF16 (docs/serving.md)",
+        "model (and KV) dtype; auto: the checkpoint's (SmolLM2: bfloat16 where the CPU runs it "
+        "faster than fp32: AMX/AVX512-BF16, or AVX2 with kvcore's own eager forward; else "
+        "float32; docs/serving.md)",
         choices=DTYPE_NAMES,
     )
     device: Any = _arg(None, "cpu | cuda | cuda:N (default: cuda if any)", type=at.device)

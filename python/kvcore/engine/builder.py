@@ -8,6 +8,7 @@ refused is refused before the model loads (settings) or before any memory is all
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from kvcore.retention.release import (
     kernels_take_null_entries,
 )
 from kvcore.retention.spec import parse_retention
-from kvcore.runner.model_runner import ModelRunner
+from kvcore.runner.model_runner import COMPILE_BY_DEFAULT, ModelRunner
 from kvcore.tiers.build import build_tier_manager, tier_scheduler_args
 
 
@@ -91,7 +92,14 @@ def build(args: EngineArgs) -> EngineParts:
     check_engine_args(seed, kernel_backend, dev)
     if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len > 1):
         raise InvalidArgumentError(f"max_model_len must be an int > 1, got {max_model_len!r}")
-    model, tokenizer = _load(model, tokenizer, dtype=dtype, device=dev, seed=seed)
+    # auto dtype: bf16 on an AVX2 CPU only for kvcore's eager forward (kvcore.models.dtype)
+    impl = args.model_impl if args.model_impl != "auto" else os.environ.get("KVCORE_MODEL_IMPL")
+    eager = impl != "transformers" and not (
+        compile if compile is not None else COMPILE_BY_DEFAULT.get(dev.type, False)
+    )
+    model, tokenizer = _load(
+        model, tokenizer, dtype=dtype, device=dev, seed=seed, kvcore_eager=eager
+    )
     config = model.config
     vocab_size = int(config.vocab_size)
     limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)

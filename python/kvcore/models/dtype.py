@@ -1,8 +1,9 @@
 """The model dtype on the CPU: whether this CPU computes bfloat16 natively, and a startup hint.
 
 kvcore's ``dtype="auto"`` keeps the checkpoint's declared dtype (SmolLM2: its upstream
-``bfloat16`` where this CPU computes it natively, ``kvcore.models.loader.auto_dtype``); the
-exactness tests ask for fp32 to compare token for token with transformers' fp32 greedy decoding.
+``bfloat16`` where this CPU runs it at least as fast as fp32, ``cpu_runs_bf16``,
+``kvcore.models.loader.auto_dtype``); the exactness tests ask for fp32 to compare token for token
+with transformers' fp32 greedy decoding.
 On a CPU with native bfloat16 (Intel AMX-BF16 or AVX512-BF16: Sapphire Rapids and later, Zen 4
 and later) oneDNN runs a bf16 linear several times faster than fp32 (docs/serving.md, "Model
 dtype"), so ``kvcore run``/``kvcore serve`` print one line suggesting ``--dtype bfloat16`` when
@@ -12,6 +13,7 @@ they run fp32 on such a CPU without having been asked for fp32.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -35,6 +37,22 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         pass
     return False
+
+
+def cpu_runs_bf16(kvcore_eager: bool = True) -> bool:
+    """Whether a bf16 model runs at least as fast as fp32 here: the CPU computes bf16 natively
+    (``cpu_has_native_bf16``), or the forward is kvcore's own eager model code and the native
+    kernels' AVX2 linear runs (an AVX2 CPU without a bf16 GEMM, e.g. Zen 3: the GEMMs of many
+    rows run on fp32 copies, the few-row ones widen bf16 in registers and stream half the bytes;
+    ``kvcore run`` 1.36x fp32's tokens/s there, docs/engine.md). transformers' modules or a
+    compiled forward run torch's bf16 GEMM, ~10x slower than fp32's there."""
+    if cpu_has_native_bf16():
+        return True
+    if not kvcore_eager or os.environ.get("KVCORE_PREPACK", "1") in ("0", ""):
+        return False
+    from kvcore.models.layers.linear import can_pack_small_avx2, can_prepack
+
+    return not can_prepack() and can_pack_small_avx2()
 
 
 def dtype_hint(asked: str, model_dtype: torch.dtype, device: torch.device) -> str | None:

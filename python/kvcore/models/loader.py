@@ -132,13 +132,16 @@ def check_supported(model: Any) -> None:
         check_mla_config(model.config)  # names the first DeepSeek feature kvcore cannot serve
 
 
-def auto_dtype(declared: torch.dtype, device: torch.device) -> torch.dtype:
-    """``dtype="auto"``: the declared dtype, except half precision on a CPU that does not compute
-    it natively (emulated bf16 is slower than fp32; kvcore.models.dtype)."""
+def auto_dtype(
+    declared: torch.dtype, device: torch.device, kvcore_eager: bool = False
+) -> torch.dtype:
+    """``dtype="auto"``: the declared dtype, except half precision on a CPU where it runs slower
+    than fp32 (fp16 always; bf16 unless ``cpu_runs_bf16(kvcore_eager)``: native bf16, or kvcore's
+    eager forward with the AVX2 linear; kvcore.models.dtype)."""
     if declared in (torch.bfloat16, torch.float16) and device.type == "cpu":
-        from kvcore.models.dtype import cpu_has_native_bf16
+        from kvcore.models.dtype import cpu_runs_bf16
 
-        if declared == torch.float16 or not cpu_has_native_bf16():
+        if declared == torch.float16 or not cpu_runs_bf16(kvcore_eager):
             return torch.float32
     return declared
 
@@ -161,13 +164,15 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     seed: int = 0,
+    kvcore_eager: bool = False,
 ) -> tuple[Any, Any]:
     """Resolve ``model`` (name, path or PreTrainedModel) to ``(model, tokenizer)`` in eval mode.
 
     ``tokenizer`` overrides the one found with the model (a path or a tokenizer object).
     ``dtype="auto"`` keeps the checkpoint's declared dtype: its config's for a folder, the
-    upstream config's for SmolLM2 (bfloat16; fp32 on a CPU without native bf16, ``auto_dtype``),
-    the loaded model's own for a PreTrainedModel, fp32 for the tiny models.
+    upstream config's for SmolLM2 (bfloat16; fp32 on a CPU where bf16 runs slower,
+    ``auto_dtype``; ``kvcore_eager``: the forward will be kvcore's own eager code, not the
+    model's modules), the loaded model's own for a PreTrainedModel, fp32 for the tiny models.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -188,7 +193,7 @@ def load_model(
             if spec == SMOLLM2_NAME:
                 path = smollm2_checkpoint()
                 if want is None:  # auto: the upstream checkpoint's declared dtype
-                    want = auto_dtype(DECLARED_DTYPES[spec], device)
+                    want = auto_dtype(DECLARED_DTYPES[spec], device, kvcore_eager)
             elif spec == GEMMA3_NAME:
                 from kvcore.models.gemma3_gguf import gemma3_checkpoint
 

@@ -61,6 +61,24 @@ def _make_llm(args: argparse.Namespace, model: Any = None, tokenizer: Any = None
     return llm
 
 
+def compare_model(llm: Any, args: argparse.Namespace) -> Any:
+    """The model ``--compare`` runs transformers' ``generate`` on: the engine's own, or an fp32
+    copy of the checkpoint where the engine runs half precision on a CPU whose bf16 GEMM is
+    slower than fp32 for transformers' modules (an AVX2 CPU without native bf16, where kvcore's
+    own forward runs bf16 anyway: the peer at its best, as a transformers user would run it)."""
+    import torch
+
+    from kvcore.models.dtype import cpu_runs_bf16
+    from kvcore.models.loader import load_model
+
+    model = llm.engine.model
+    if model.dtype == torch.float32 or model.device.type != "cpu" or cpu_runs_bf16(False):
+        return model
+    print("kvcore: --compare runs transformers in float32 (faster than its bf16 on this CPU)",
+          file=sys.stderr)  # fmt: skip
+    return load_model(args.model, dtype="float32", seed=args.seed)[0]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from kvcore.entrypoints.cli.run_job import run_chat
     from kvcore.tools.report import Row, format_table, rows_json, summarize
@@ -76,7 +94,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         lens = [max(1, len(o.outputs[0].token_ids)) for o in result.outputs]
         try:
             peer = hf_generate(
-                llm.engine.model, result.prompts, lens, batch_size=args.compare_batch
+                compare_model(llm, args), result.prompts, lens, batch_size=args.compare_batch
             )
         except KeyboardInterrupt:  # keep kvcore's own report
             result.interrupted = True
@@ -116,7 +134,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     # Load first to size the KV pool to this one request (not the default pool).
     args.device = str(resolve_device(args.device))
-    model, tok = load_model(args.model, device=args.device, seed=args.seed)
+    # the engine below runs kvcore's eager forward (auto dtype: kvcore.models.dtype)
+    model, tok = load_model(args.model, device=args.device, seed=args.seed, kvcore_eager=True)
     prompt: Any = args.prompt
     if tok is not None and args.chat and getattr(tok, "chat_template", None):
         msgs = [{"role": "user", "content": args.prompt}]

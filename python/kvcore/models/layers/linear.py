@@ -151,20 +151,20 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
+def _small_linear_on() -> bool:
+    return os.environ.get("KVCORE_SMALL_LINEAR", "1") not in ("0", "")
+
+
 def can_pack_small() -> bool:
     """Whether the native small-batch linear runs here (AVX-512 BF16; ``KVCORE_SMALL_LINEAR=0``
     turns it off)."""
-    if os.environ.get("KVCORE_SMALL_LINEAR", "1") in ("0", ""):
-        return False
-    return linear_cpu.fast_path()
+    return _small_linear_on() and linear_cpu.fast_path()
 
 
 def can_pack_small_avx2() -> bool:
     """Whether the native small-batch linear's AVX2 path runs here, for the few-row calls of
     bf16 weights upcast to fp32 (``KVCORE_SMALL_LINEAR=0`` turns it off)."""
-    if os.environ.get("KVCORE_SMALL_LINEAR", "1") in ("0", ""):
-        return False
-    return linear_cpu.avx2_path()
+    return _small_linear_on() and linear_cpu.avx2_path()
 
 
 def prepack_linears(model: nn.Module) -> int:
@@ -239,13 +239,18 @@ def _upcast_linears(model: nn.Module) -> int:
         copy.copy_(w.detach())
         start += size
         bias = None if mod.bias is None else mod.bias.detach().float()
-        # oneDNN's packed copy for few-row calls (``UPCAST_PACKED_ELEMS_PER_ROW``)
-        packed = torch.ops.mkldnn._reorder_linear_weight(copy, 64) if pack else None
-        mod.upcast = (copy, bias, packed)
-        total += w.numel() * 4 * (2 if pack else 1)
+        total += w.numel() * 4
         if small and w.shape[1] % 2 == 0 and (mod.bias is None or mod.bias.dtype == w.dtype):
             mod.small = linear_cpu.pack_linear(w.detach())
             total += mod.small.nbytes
+        # oneDNN's packed copy for few-row calls (``UPCAST_PACKED_ELEMS_PER_ROW``), unless the
+        # native pack takes all of them (SmolLM2's qkv, o and down: 212 MB never read)
+        few = w.numel() // UPCAST_PACKED_ELEMS_PER_ROW
+        packed = None
+        if pack and (mod.small is None or few > UPCAST_SMALL_ROWS):
+            packed = torch.ops.mkldnn._reorder_linear_weight(copy, 64)
+            total += w.numel() * 4
+        mod.upcast = (copy, bias, packed)
     return total
 
 
