@@ -243,11 +243,13 @@ def _upcast_linears(model: nn.Module) -> int:
         if small and w.shape[1] % 2 == 0 and (mod.bias is None or mod.bias.dtype == w.dtype):
             mod.small = linear_cpu.pack_linear(w.detach())
             total += mod.small.nbytes
-        # oneDNN's packed copy for few-row calls (``UPCAST_PACKED_ELEMS_PER_ROW``), unless the
-        # native pack takes all of them (SmolLM2's qkv, o and down: 212 MB never read)
+        # oneDNN's packed copy for few-row calls (``UPCAST_PACKED_ELEMS_PER_ROW``) where the
+        # native pack leaves it a range as wide as its own (SmolLM2: the LM head, 65-1,152 rows);
+        # not where it would take none (qkv, o, down: 13-36 rows) or a sliver (gate-up: 65-72
+        # rows, 212 MB for them)
         few = w.numel() // UPCAST_PACKED_ELEMS_PER_ROW
         packed = None
-        if pack and (mod.small is None or few > UPCAST_SMALL_ROWS):
+        if pack and (mod.small is None or few >= 2 * UPCAST_SMALL_ROWS):
             packed = torch.ops.mkldnn._reorder_linear_weight(copy, 64)
             total += w.numel() * 4
         mod.upcast = (copy, bias, packed)
