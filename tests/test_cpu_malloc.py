@@ -59,10 +59,17 @@ def test_the_cpu_engine_keeps_its_activations_on_reused_pages():
     # glibc's dynamic threshold past the activations before the first step
     env = {"KVCORE_FUSED_GATE_UP": "0", "KVCORE_SMALL_LINEAR": "0"}
     tuned = _python(ROUNDS, KVCORE_MALLOC_TUNE="1", **env)
-    plain = _python(ROUNDS, KVCORE_MALLOC_TUNE="0", **env)
+    # The reference: glibc's defaults with its mmap threshold pinned at its initial 128 KiB.
+    # Left dynamic, glibc raises the threshold to the size of an mmapped block when one is
+    # freed, and whether the activations then stay on the heap depends on the order of earlier
+    # frees and the heap's placement: 1 run in 4 kept them there and faulted ~0 pages after the
+    # first two rounds (the test failed on that reference, not on kvcore). Pinned, every
+    # activation above 128 KiB is a fresh mapping, every round.
+    plain = _python(ROUNDS, KVCORE_MALLOC_TUNE="0", MALLOC_MMAP_THRESHOLD_="131072", **env)
     assert "32 MiB" in tuned["applied"] and plain["applied"] is None
-    # glibc's defaults give freed activations back to the OS (or mmap them afresh): most rounds
-    # fault thousands of pages in again (how many moves with its own threshold's history);
-    # tuned, the rounds after the first two fault a few hundred at most, most of them none
-    assert sum(plain["faults"][2:]) > 8000, plain
-    assert 8 * sum(tuned["faults"][2:]) < sum(plain["faults"][2:]), (tuned, plain)
+    # without the tuning the activations land on fresh pages: every round faults thousands of
+    # pages in again (~50,000 here); tuned, the four rounds after the first two fault fewer
+    # pages together than the reference does in any one of them (most of them none; one
+    # round in some runs ~1,900)
+    assert min(plain["faults"][2:]) > 2000, plain
+    assert sum(tuned["faults"][2:]) < min(plain["faults"][2:]), (tuned, plain)
