@@ -121,7 +121,7 @@ def test_auto_dtype_is_what_the_forward_runs_fastest():
     for transformers' modules on a CPU without native bf16 (their bf16 GEMM is ~10x slower)."""
     from kvcore.models.dtype import cpu_has_native_bf16, cpu_runs_bf16
 
-    want = torch.bfloat16 if cpu_runs_bf16() else torch.float32
+    want = torch.bfloat16 if cpu_runs_bf16(True) else torch.float32
     assert LLM("smollm2-135m", num_blocks=16).engine.model.dtype == want
     hf = LLM("smollm2-135m", num_blocks=16, model_impl="transformers")
     assert hf.engine.runner.model_impl == "transformers"

@@ -388,7 +388,7 @@ def test_auto_dtype_follows_the_declared_dtype_where_the_cpu_computes_it(monkeyp
     assert auto_dtype(torch.bfloat16, cuda) == torch.bfloat16
     # no native bf16: bf16 only for kvcore's eager forward where the AVX2 linear runs (Zen 3)
     linear_path = not linear_mod.can_prepack() and linear_mod.can_pack_small_avx2()
-    assert cpu_dtype.cpu_runs_bf16() == linear_path and not cpu_dtype.cpu_runs_bf16(False)
+    assert cpu_dtype.cpu_runs_bf16(True) == linear_path and not cpu_dtype.cpu_runs_bf16(False)
     want = torch.bfloat16 if linear_path else torch.float32
     assert auto_dtype(torch.bfloat16, cpu, kvcore_eager=True) == want
     assert auto_dtype(torch.bfloat16, cpu) == torch.float32  # the model's own modules

@@ -13,7 +13,6 @@ they run fp32 on such a CPU without having been asked for fp32.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -39,20 +38,20 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
-def cpu_runs_bf16(kvcore_eager: bool = True) -> bool:
+def cpu_runs_bf16(kvcore_eager: bool) -> bool:
     """Whether a bf16 model runs at least as fast as fp32 here: the CPU computes bf16 natively
     (``cpu_has_native_bf16``), or the forward is kvcore's own eager model code and the native
     kernels' AVX2 linear runs (an AVX2 CPU without a bf16 GEMM, e.g. Zen 3: the GEMMs of many
     rows run on fp32 copies, the few-row ones widen bf16 in registers and stream half the bytes;
-    ``kvcore run`` 1.36x fp32's tokens/s there, docs/engine.md). transformers' modules or a
+    ``kvcore run`` 1.39-2.03x fp32's tokens/s there, docs/engine.md). transformers' modules or a
     compiled forward run torch's bf16 GEMM, ~10x slower than fp32's there."""
     if cpu_has_native_bf16():
         return True
-    if not kvcore_eager or os.environ.get("KVCORE_PREPACK", "1") in ("0", ""):
+    if not kvcore_eager:
         return False
-    from kvcore.models.layers.linear import can_pack_small_avx2, can_prepack
+    from kvcore.models.layers.linear import can_pack_small_avx2, can_prepack, prepack_on
 
-    return not can_prepack() and can_pack_small_avx2()
+    return prepack_on() and not can_prepack() and can_pack_small_avx2()
 
 
 def dtype_hint(asked: str, model_dtype: torch.dtype, device: torch.device) -> str | None:

@@ -114,11 +114,14 @@ UpcastWeights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 UPCAST_PACKED_ELEMS_PER_ROW = 24_576
 
 
+def prepack_on() -> bool:
+    """Whether packing of any kind is allowed (``KVCORE_PREPACK=0`` turns all of it off)."""
+    return os.environ.get("KVCORE_PREPACK", "1") not in ("0", "")
+
+
 def can_prepack() -> bool:
     """Whether oneDNN's packed bf16 linear runs here (``KVCORE_PREPACK=0`` turns it off)."""
-    if os.environ.get("KVCORE_PREPACK", "1") in ("0", ""):
-        return False
-    return _onednn_packs_bf16()
+    return prepack_on() and _onednn_packs_bf16()
 
 
 def _onednn_packs_bf16() -> bool:
@@ -175,7 +178,7 @@ def prepack_linears(model: nn.Module) -> int:
     oneDNN's packed fp32 copy for few-row calls (``_pack_fp32_linears``). Returns the bytes
     packed (0 when none). Packing again re-packs (after a weight changed). ``KVCORE_PREPACK=0``
     turns all of it off."""
-    if os.environ.get("KVCORE_PREPACK", "1") in ("0", ""):
+    if not prepack_on():
         return 0
     dnn, small = can_prepack(), can_pack_small()
     if not (dnn or small):
