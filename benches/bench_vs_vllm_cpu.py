@@ -18,6 +18,16 @@ worker warms up (and compiles) before its first timed case. Output: per case
 and worker the output tok/s; per case the ratios kvcore/vLLM at each one's best setting and at 1
 thread each; the worst case over seeds; and the token-for-token agreement of the outputs.
 
+**The GEMM floor and the ceiling.** After each timed case a kvcore worker counts the job's
+linear-layer FLOPs (``gemm_flops``: the tokens the decoder layers saw, prefix-cache hits
+excluded, and one LM-head row per output token) and measures this machine's best GEMM rate at
+its thread count right then (``gemm_peak_gflops``: fp32 and bf16 ``F.linear`` on the model's
+gate-up shape at 2,048 rows). Their quotient is the *GEMM floor*: the wall the job would take if
+it were nothing but its GEMMs at that rate. vLLM runs the same GEMMs, so vLLM's measured wall
+over kvcore's floor is a *ceiling*: the ratio no kvcore could exceed on this machine without
+doing fewer FLOPs (``max_ceiling_*``: the highest over seeds). Where it is below a target ratio,
+the target is out of reach of any forward on that CPU.
+
 A ``__main__`` guard is required: vLLM starts its engine in a spawned process.
 """
 
@@ -51,6 +61,7 @@ def kvcore_worker(model_dir: str, threads: int, mode: str):
     import torch
     from kvcore.entrypoints.llm import LLM
     from kvcore.params import SamplingParams
+    from transformers import AutoConfig
 
     torch.set_num_threads(threads)
     llm = LLM(
@@ -62,13 +73,53 @@ def kvcore_worker(model_dir: str, threads: int, mode: str):
         enforce_eager=mode == "eager",
     )
     impl = llm.engine.runner.model_impl
+    config = AutoConfig.from_pretrained(model_dir)
 
     def run(prompts, max_tokens):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        computed = sum(len(p) for p in prompts) - sum(o.num_cached_tokens for o in outs)
+        out = sum(map(len, tokens))
+        flops = gemm_flops(config, computed + out - len(tokens), out)
+        return tokens, lambda: {"gemm_gflop": flops / 1e9, "peak_gflops": gemm_peak_gflops(config)}
 
     return run, f"kvcore/{impl}/{mode}"
+
+
+# ---- the GEMM floor: how fast the job could be if it were nothing but its GEMMs -------------
+
+
+def gemm_flops(config, fed_tokens: int, sampled_rows: int) -> float:
+    """The job's linear-layer FLOPs: every token fed through the decoder layers' projections
+    (prompt tokens not served by the prefix cache, and each output token but the last), and
+    one LM-head row per output token (the logits of the sampled rows only)."""
+    e, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    hq, hk = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or e // hq
+    per_layer = e * (hq + 2 * hk) * d + hq * d * e + e * 2 * i + i * e  # qkv, o, gate-up, down
+    return 2.0 * (fed_tokens * layers * per_layer + sampled_rows * config.vocab_size * e)
+
+
+def gemm_peak_gflops(config, rows: int = 2048, rounds: int = 5) -> float:
+    """This machine's best GEMM rate at the current thread count, measured now: the model's
+    gate-up shape at ``rows`` rows (a prefill chunk), fp32 and bf16 ``F.linear`` (MKL / oneDNN),
+    best of ``rounds``. The rate the job's GEMMs could reach at best (large-row sgemm runs at
+    ~90 % of the FMA units' peak, so the true ceiling is at most ~10 % above)."""
+    import torch
+    import torch.nn.functional as F
+
+    e, i = config.hidden_size, config.intermediate_size
+    best = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, e).to(dtype)
+        w = torch.randn(2 * i, e).to(dtype)
+        F.linear(x, w)
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            F.linear(x, w)
+            best = max(best, 2 * rows * e * 2 * i / (time.perf_counter() - t0) / 1e9)
+    return best
 
 
 def vllm_worker(model_dir: str, threads: int, mode: str, dtype: str = "bfloat16"):
@@ -79,7 +130,7 @@ def vllm_worker(model_dir: str, threads: int, mode: str, dtype: str = "bfloat16"
     def run(prompts, max_tokens):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return [list(o.outputs[0].token_ids) for o in outs], dict
 
     return run, "vllm"
 
@@ -97,10 +148,11 @@ def worker_main(engine: str, model_dir: str, threads: int, mode: str, dtype: str
     for line in sys.stdin:
         case = json.loads(line)
         t0 = time.perf_counter()
-        tokens = run(case["prompts"], case["max_tokens"])
+        tokens, info = run(case["prompts"], case["max_tokens"])
         dt = time.perf_counter() - t0
         out = sum(map(len, tokens))
-        print(RESULT + json.dumps({"tok_s": out / dt, "s": dt, "tokens": tokens}), flush=True)
+        result = {"tok_s": out / dt, "s": dt, "tokens": tokens, **info()}  # after the timing
+        print(RESULT + json.dumps(result), flush=True)
 
 
 # ---- parent -------------------------------------------------------------------------------
@@ -254,6 +306,7 @@ def main() -> None:
         workers.append(w)
     records = []
     worst: dict[str, float] = {}
+    ceiling: dict[str, float] = {}
     for kind in args.workloads:
         for seed in args.seeds:
             prompts = workload(kind, seed, args.requests)
@@ -262,8 +315,18 @@ def main() -> None:
                 r = w.run(prompts, args.max_tokens)
                 res[w.name] = r
                 records.append({"case": kind, "seed": seed, "worker": w.name, "tok_s": r["tok_s"]})
+                floor = ""
+                if "gemm_gflop" in r:  # kvcore: its GEMMs at this machine's best GEMM rate
+                    r["floor_s"] = r["gemm_gflop"] / r["peak_gflops"]
+                    records[-1].update({k: r[k] for k in ("gemm_gflop", "peak_gflops", "floor_s")})
+                    floor = (
+                        f"; GEMM floor {r['floor_s']:.1f} s ({r['gemm_gflop']:.0f} GFLOP at "
+                        f"{r['peak_gflops']:.0f} GFLOP/s), {100 * r['floor_s'] / r['s']:.0f} % "
+                        "of its wall"
+                    )
                 print(
-                    f"{kind} seed {seed} {w.name}: {r['tok_s']:.1f} out tok/s ({r['s']:.1f} s)",
+                    f"{kind} seed {seed} {w.name}: {r['tok_s']:.1f} out tok/s ({r['s']:.1f} s)"
+                    + floor,
                     flush=True,
                 )
             kv = {n: r for n, r in res.items() if n.startswith("kvcore")}
@@ -279,18 +342,29 @@ def main() -> None:
                 b1 = max(one_kv, key=lambda n: kv[n]["tok_s"])
                 v1 = max(one_vl, key=lambda n: vl[n]["tok_s"])
                 ratios["1thread"] = kv[b1]["tok_s"] / vl[v1]["tok_s"]
+            # The ceiling: the ratio kvcore would reach if nothing but its GEMMs took time and
+            # they ran at the machine's best GEMM rate (vLLM's measured wall over that floor).
+            ceilings = {"best": max(vl[best_vl]["s"] / r["floor_s"] for r in kv.values())}
+            if "1thread" in ratios:
+                ceilings["1thread"] = max(vl[v1]["s"] / kv[n]["floor_s"] for n in one_kv)
             for k, v in ratios.items():
                 worst[f"{kind}_{k}"] = min(worst.get(f"{kind}_{k}", float("inf")), v)
+            for k, v in ceilings.items():
+                ceiling[f"{kind}_{k}"] = max(ceiling.get(f"{kind}_{k}", 0.0), v)
             seqs, toks, pre = agreement(kv[best_kv]["tokens"], vl[best_vl]["tokens"])
             print(
                 f"{kind} seed {seed}: ratio_best {ratios['best']:.2f}x ({best_kv} vs {best_vl})"
                 + (f", ratio_1thread {ratios['1thread']:.2f}x" if "1thread" in ratios else "")
+                + f"; GEMM-floor ceiling {ceilings['best']:.2f}x"
+                + (f" / {ceilings['1thread']:.2f}x at 1 thread" if "1thread" in ceilings else "")
                 + f"; outputs equal: {seqs:.0%} sequences, {toks:.1%} tokens, "
                 f"common prefix {pre:.1%}",
                 flush=True,
             )
     for name, v in worst.items():
         print(f"worst_ratio_{name}: {v:.2f}x")
+    for name, v in ceiling.items():  # the highest over seeds: what no kvcore could exceed here
+        print(f"max_ceiling_{name}: {v:.2f}x")
     for w in workers:
         w.close()
     if args.json:
