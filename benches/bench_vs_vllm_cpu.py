@@ -21,13 +21,13 @@ thread each; the worst case over seeds; and the token-for-token agreement of the
 **The GEMM floor and the ceiling.** After each timed case a kvcore worker counts the job's
 linear-layer FLOPs (``gemm_flops``: the tokens the decoder layers saw, prefix-cache hits
 excluded, and one LM-head row per output token) and measures this machine's best GEMM rate at
-its thread count right then (``gemm_peak_gflops``: fp32 and bf16 ``F.linear`` on the model's
-gate-up shape at 2,048 rows). Their quotient is the *GEMM floor*: the wall the job would take if
-it were nothing but its GEMMs at that rate. vLLM runs the same GEMMs, so vLLM's measured wall
-over kvcore's floor is a *ceiling*: the ratio no kvcore could exceed on this machine without
-doing fewer FLOPs. ``min_ceiling_*`` is the lowest over seeds: the worst case's ratio can be no
-higher, so where it is below a target ratio, the target is out of reach of any forward on that
-CPU.
+its thread count right then (``gemm_peak_gflops``: fp32 ``F.linear``, and bf16 on a CPU with
+native bf16, on the model's gate-up shape at 2,048 rows). Their quotient is the *GEMM floor*:
+the wall the job would take if it were nothing but its GEMMs at that rate. vLLM runs the same
+GEMMs, so vLLM's measured wall over kvcore's floor is a *ceiling*: the ratio no kvcore could
+exceed on this machine without doing fewer FLOPs. ``min_ceiling_*`` is the lowest over seeds:
+the worst case's ratio can be no higher, so where it is below a target ratio, the target is out
+of reach of any forward on that CPU.
 
 A ``__main__`` guard is required: vLLM starts its engine in a spawned process.
 """
@@ -104,15 +104,19 @@ def gemm_flops(config, fed_tokens: int, sampled_rows: int) -> float:
 
 def gemm_peak_gflops(config, rows: int = 2048, rounds: int = 5) -> float:
     """This machine's best GEMM rate at the current thread count, measured now: the model's
-    gate-up shape at ``rows`` rows (a prefill chunk), fp32 and bf16 ``F.linear`` (MKL / oneDNN),
-    best of ``rounds``. The rate the job's GEMMs could reach at best (large-row sgemm runs at
-    ~90 % of the FMA units' peak, so the true ceiling is at most ~10 % above)."""
+    gate-up shape at ``rows`` rows (a prefill chunk), fp32 ``F.linear`` (MKL), and bf16 where
+    the CPU computes bf16 natively (elsewhere torch's bf16 GEMM is ~10x slower: seconds spent
+    for nothing), best of ``rounds``. The rate the job's GEMMs could reach at best: on the Zen 3
+    sgemm measured 82-94 % of the FMA units' peak (``benches/tools/fma_peak.c``), so the true
+    ceiling may be up to ~20 % higher than the one reported."""
     import torch
     import torch.nn.functional as F
+    from kvcore.models.dtype import cpu_has_native_bf16
 
     e, i = config.hidden_size, config.intermediate_size
     best = 0.0
-    for dtype in (torch.float32, torch.bfloat16):
+    dtypes = (torch.float32, torch.bfloat16) if cpu_has_native_bf16() else (torch.float32,)
+    for dtype in dtypes:
         x = torch.randn(rows, e).to(dtype)
         w = torch.randn(2 * i, e).to(dtype)
         F.linear(x, w)
