@@ -264,7 +264,9 @@ def test_small_batches_take_the_native_linear_and_large_ones_onednn(monkeypatch)
 def test_upcast_bf16_few_rows_take_the_native_avx2_linear(monkeypatch):
     """No bf16 GEMM here (Zen 3): bf16 weights run as fp32 copies, but calls of up to
     ``UPCAST_SMALL_ROWS`` rows take the native kernel's AVX2 path on a bf16 pack (half the
-    bytes streamed); more rows keep oneDNN's fp32 GEMM, bit for bit as before."""
+    bytes streamed); more rows keep oneDNN's fp32 GEMM, bit for bit as before. (With the
+    blocked AVX2 GEMM off, ``KVCORE_NATIVE_TALL=0``: the next test has it on.)"""
+    monkeypatch.setenv("KVCORE_NATIVE_TALL", "0")
     hf = _hf("tiny-qwen2", dtype=torch.bfloat16)  # q/k/v carry a bias
     native, _ = native_model(hf)
     mods = [m for m in native.modules() if isinstance(m, (Linear, MergedLinear))]
@@ -305,6 +307,46 @@ def test_upcast_bf16_few_rows_take_the_native_avx2_linear(monkeypatch):
     assert (fast.argmax(-1) == slow.argmax(-1)).float().mean() >= 0.6
     monkeypatch.setenv("KVCORE_SMALL_LINEAR", "0")
     assert not linear_mod.can_pack_small_avx2()
+
+
+@pytest.mark.skipif(
+    can_prepack() or not linear_mod.can_pack_small_avx2() or not linear_cpu.tall_path(),
+    reason="not an AVX2 CPU without a bf16 GEMM (the blocked AVX2 GEMM is off)",
+)
+def test_upcast_bf16_all_rows_take_the_native_avx2_kernel_without_fp32_copies(monkeypatch):
+    """With the blocked AVX2 GEMM (``linear_cpu.tall_path()``), every row count of a bf16 weight
+    runs the native kernel on its bf16 pack: no fp32 copy is made (the weights' memory once more,
+    not three times), prefill-sized calls give the small-row bits, and the forward stays within
+    bf16's reach of the one on oneDNN's fp32 GEMMs (``KVCORE_NATIVE_TALL=0``)."""
+    hf = _hf("tiny-qwen2", dtype=torch.bfloat16)  # q/k/v carry a bias
+    native, _ = native_model(hf)
+    mods = [m for m in native.modules() if isinstance(m, (Linear, MergedLinear))]
+    n = prepack_linears(native)
+    assert mods and all(m.small is not None and m.upcast is None for m in mods)
+    assert n == sum(m.small.nbytes for m in mods)
+    gen = torch.Generator().manual_seed(8)
+    for rows in (1, 47, 48, 130):
+        x = torch.randn(rows, hf.config.hidden_size, generator=gen).bfloat16()
+        for mod in (m for m in mods if m.weight.shape[1] == hf.config.hidden_size):
+            got = linear_mod._linear(x, mod)
+            assert torch.equal(got, linear_cpu.linear(x, mod.small, mod.bias))
+            if rows >= 48:  # the small-row panels' bits
+                monkeypatch.setenv("KVCORE_NATIVE_TALL", "0")
+                assert torch.equal(got, linear_cpu.linear(x, mod.small, mod.bias))
+                monkeypatch.delenv("KVCORE_NATIVE_TALL")
+            b32 = None if mod.bias is None else mod.bias.float()
+            fp32 = F.linear(x.float(), mod.weight.float(), b32)
+            err = (got.float() - fp32).abs().max() / fp32.abs().max()
+            assert err < 0.02
+    ids = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        fast = native(ids, torch.arange(60), torch.arange(60), DenseStep()).float()
+        monkeypatch.setenv("KVCORE_NATIVE_TALL", "0")
+        prepack_linears(native)
+        assert all(m.upcast is not None for m in mods)  # the fp32 copies again
+        slow = native(ids, torch.arange(60), torch.arange(60), DenseStep()).float()
+    assert (fast - slow).abs().max() / slow.abs().max() < 0.05
+    assert (fast.argmax(-1) == slow.argmax(-1)).float().mean() >= 0.6
 
 
 @pytest.mark.skipif(not can_pack_small(), reason="no AVX-512 BF16: the small-batch kernel is off")

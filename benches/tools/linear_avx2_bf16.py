@@ -52,6 +52,8 @@ def main() -> None:
     print(f"# threads {args.threads}, seed {args.seed}; ms, GFLOP/s in brackets")
     for rows in (int(r) for r in args.rows.split(",")):
         for name, (n, k) in SHAPES.items():
+            if name == "lm_head" and rows > 64:  # the LM head sees only the sampled rows
+                continue
             w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
             x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
             w32 = w.float()

@@ -418,14 +418,22 @@ def linear_avx2_path() -> bool:
     return _native is not None and bool(_native.linear_avx2_path())
 
 
+def linear_tall_allowed() -> bool:
+    """Whether calls of many rows may take the blocked AVX2 GEMM (``KVCORE_NATIVE_TALL=0``
+    keeps the small-row panels for every row count, for A/B runs)."""
+    return os.environ.get("KVCORE_NATIVE_TALL", "1") != "0"
+
+
 def linear(
     x: int, x_stride: int, rows: int, k: int, w: int, n_out: int, bias: int, out: int,
     out_stride: int, glu: bool = False,
 ) -> None:  # fmt: skip
-    """A small-batch bf16 linear over addresses (``linear_cpu`` checked the tensors) on the
-    kernel's threads; ``glu``: a gated weight, ``silu(gate) * up`` out."""
+    """A bf16 linear over addresses (``linear_cpu`` checked the tensors) on the kernel's
+    threads; ``glu``: a gated weight, ``silu(gate) * up`` out. On the AVX2 path, calls of
+    ``TALL_ROWS`` (48) rows or more take the blocked GEMM unless ``linear_tall_allowed()`` says
+    no."""
     _bind_openmp()
     _native.linear(
         x, x_stride, rows, k, w, n_out, bias, out, out_stride, torch.get_num_threads(),
-        MODES[OPTIONS.mode], _isa() != 0, glu,
+        MODES[OPTIONS.mode], _isa() != 0, glu, linear_tall_allowed(),
     )  # fmt: skip

@@ -93,6 +93,36 @@ def test_gated_linear_is_the_plain_product_then_silu_and_mul(portable, rows, i_o
     assert bool(((got.double() - exact).abs() <= tol).all())
 
 
+@pytest.mark.skipif(not linear_cpu.avx2_path(), reason="no AVX2 path here (the blocked GEMM)")
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(48, 300),
+    n=st.integers(1, 130),
+    k=st.integers(1, 400).map(lambda v: 2 * v),
+    bias=st.booleans(),
+    pad=st.integers(0, 5),
+    mode=st.sampled_from(["omp", "rayon", "single"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tall_rows_match_float64_and_the_small_row_bits(rows, n, k, bias, pad, mode, seed):
+    """48 rows or more take the blocked AVX2 GEMM (``linear_cpu.tall_path()``): within the
+    float64 bound, and the bits of the small-row panels (``KVCORE_NATIVE_TALL=0``), which sum
+    each output in the same order, in every thread mode."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k + pad, generator=gen).bfloat16()[:, :k]
+    packed = linear_cpu.pack_linear(w)
+    with _options(mode=mode):
+        got = linear_cpu.linear(x, packed, b)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KVCORE_NATIVE_TALL", "0")
+            assert not linear_cpu.tall_path()
+            small = linear_cpu.linear(x, packed, b)
+    _check(got, x, w, b)
+    assert torch.equal(got, small)
+
+
 @pytest.mark.parametrize("mode", ["omp", "rayon", "single"])
 def test_rows_do_not_depend_on_the_batch_or_the_threads(gen, mode):
     """A row's bits are those it gets alone (one decode request or 64), in every thread mode."""

@@ -241,7 +241,8 @@ pub unsafe fn run_ops(c: &ops::Rows, threads: usize, mode: pool::Mode, isa: u8) 
     })
 }
 
-/// A small-batch linear over all its panels, in tasks of `c.panels_per_task()` panels.
+/// A linear over all its panels: the blocked AVX2 GEMM where `linear::takes_tall` (with `tall`
+/// allowed), else tasks of `c.panels_per_task()` panels.
 ///
 /// # Safety
 /// The pointers and strides of `c` must describe live memory of the stated shapes; `out` must
@@ -251,7 +252,15 @@ pub unsafe fn run_linear(
     threads: usize,
     mode: pool::Mode,
     portable: bool,
+    tall: bool,
 ) -> Result<(), ()> {
+    #[cfg(target_arch = "x86_64")]
+    if linear::takes_tall(c, portable, tall) {
+        let (_, _, tasks) = linear::tall::plan(c);
+        return pool::for_each(tasks, threads, mode, &|t| unsafe {
+            linear::tall::run_task(c, t)
+        });
+    }
     let per = c.panels_per_task();
     let panels = c.panels();
     pool::for_each(panels.div_ceil(per), threads, mode, &|t| unsafe {

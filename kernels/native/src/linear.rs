@@ -25,6 +25,8 @@
 //! fp32 (a shift for the even input, a mask for the odd) and two FMAs per row; half the bytes of
 //! the fp32 copy such a CPU otherwise runs bf16 weights on; a chunk's rows of `x` are widened
 //! once into per-thread scratch (grown, never freed). ~150 GFLOP/s on two threads (a Zen 3).
+//! From `TALL_ROWS` rows (prefill chunks) the AVX2 path runs a blocked GEMM instead (`tall`:
+//! rows and panels widened once per task, a 6 x 16 fp32 tile) with the same bits.
 //!
 //! Invariants: `K` is even; `x` rows hold `K` bf16 (unit stride), `out` rows `N` bf16. Results
 //! are fp32 sums of bf16 products rounded once to bf16 (round to nearest even), like oneDNN's;
@@ -399,6 +401,188 @@ pub mod avx2 {
     }
 }
 
+/// Many rows on AVX2 + FMA (prefill chunks): a blocked GEMM over the same plain panels.
+///
+/// The small-row path above widens every row of `x` in each task and reads it from memory for
+/// each panel, which at 512-2,048 rows ran at 42-76 GFLOP/s on a Zen 3 (one thread) against
+/// 60-77 for MKL / oneDNN on fp32 copies (`benches/tools/linear_avx2_bf16.py`). Here, the GotoBLAS
+/// order (as BLIS's Zen kernels): a task is a block of `block_rows` rows and a run of panels; the
+/// block's rows are widened once to fp32 (row-major; the block sized to stay in L2), each panel is widened once into two halves `[k][16]` fp32, and a 6 x 16
+/// register tile (12 accumulators, 2 weight loads and 6 broadcasts per input) runs over the
+/// full `k`. The sum of each output is `fma` over `k` ascending from zero, the order of the
+/// small-row path: the same bits for a row whatever path or batch it runs in.
+///
+/// Scratch: per-thread, grown, never freed. Tasks are claimed dynamically (a slowed core takes
+/// fewer). Cost per task: `block_rows * k` widenings of `x` and `panels * k * 32` of weights,
+/// against `block_rows * panels * 32 * k` FMAs.
+#[cfg(target_arch = "x86_64")]
+pub mod tall {
+    use super::{Linear, NB};
+    use std::arch::x86_64::*;
+
+    /// Rows per register tile.
+    pub const MR: usize = 6;
+    /// Bytes of widened rows a task keeps (about half a Zen 3 L2, beside one widened panel).
+    pub const BLOCK_BYTES: usize = 256 * 1024;
+    /// Tasks a call aims for (dynamic claiming balances two threads with a slowed one).
+    pub const TASKS: usize = 32;
+    /// Panels a task takes at least (its rows' widening is about `1 / (32 * panels)` of its FMAs).
+    pub const MIN_PANELS: usize = 4;
+
+    thread_local! {
+        static AS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+        static BS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// Rows per block for this `k` (a multiple of `MR`).
+    pub fn block_rows(k: usize) -> usize {
+        (BLOCK_BYTES / (4 * k.max(1)) / MR * MR).clamp(MR, 32 * MR)
+    }
+
+    /// `(row blocks, panels per task, tasks)` for this call.
+    pub fn plan(c: &Linear) -> (usize, usize, usize) {
+        let blocks = c.rows.div_ceil(block_rows(c.k));
+        let panels = c.panels();
+        // at least MIN_PANELS per task: each task widens its block's rows once
+        let per = (panels * blocks)
+            .div_ceil(TASKS)
+            .max(MIN_PANELS)
+            .min(panels);
+        (blocks, per, blocks * panels.div_ceil(per))
+    }
+
+    /// Grow a per-thread scratch to `n` floats; its pointer.
+    fn scratch(
+        cell: &'static std::thread::LocalKey<std::cell::RefCell<Vec<f32>>>,
+        n: usize,
+    ) -> *mut f32 {
+        cell.with(|c| {
+            let mut v = c.borrow_mut();
+            if v.len() < n {
+                v.resize(n, 0.0);
+            }
+            v.as_mut_ptr()
+        })
+    }
+
+    /// Task `t` of `plan(c)`: its row block, its run of panels.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn run_task(c: &Linear, t: usize) {
+        let (_, per, _) = plan(c);
+        let panels = c.panels();
+        let groups = panels.div_ceil(per);
+        let (blk, g) = (t / groups, t % groups);
+        let br = block_rows(c.k);
+        let m0 = blk * br;
+        let rows = br.min(c.rows - m0);
+        let k = c.k;
+        let tiles = rows.div_ceil(MR);
+        // the block's rows widened to fp32, row-major (`k` apart), padded with zero rows to
+        // whole tiles: a straight vector loop; the tile reads them as 6 sequential streams
+        let a = scratch(&AS, tiles * MR * k);
+        for m in 0..tiles * MR {
+            let dst = std::slice::from_raw_parts_mut(a.add(m * k), k);
+            if m < rows {
+                let x = std::slice::from_raw_parts(c.x.add((m0 + m) * c.x_stride), k);
+                for (d, &v) in dst.iter_mut().zip(x) {
+                    *d = f32::from_bits((v as u32) << 16);
+                }
+            } else {
+                dst.fill(0.0);
+            }
+        }
+        let b = scratch(&BS, 2 * k * 16);
+        let hi_mask = _mm256_set1_epi32(-65536);
+        for p in g * per..((g + 1) * per).min(panels) {
+            // the panel widened into halves [h][k][16]
+            let panel = c.w.add(p * (k / 2) * NB);
+            for kp in 0..k / 2 {
+                let row = panel.add(kp * NB);
+                for q in 0..4 {
+                    let w = _mm256_loadu_si256(row.add(8 * q) as *const __m256i);
+                    let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
+                    let wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
+                    let dst = b.add((q / 2) * k * 16 + 8 * (q % 2));
+                    _mm256_storeu_ps(dst.add(2 * kp * 16), we);
+                    _mm256_storeu_ps(dst.add((2 * kp + 1) * 16), wo);
+                }
+            }
+            let n0 = p * NB;
+            let cols = NB.min(c.n_out - n0);
+            let halves = cols.div_ceil(16);
+            for h in 0..halves {
+                let bh = b.add(h * k * 16);
+                for tile in 0..tiles {
+                    let acc = micro(a.add(tile * MR * k), bh, k);
+                    let r_n = MR.min(rows - tile * MR);
+                    store(
+                        c,
+                        &acc,
+                        m0 + tile * MR,
+                        r_n,
+                        n0 + 16 * h,
+                        (cols - 16 * h).min(16),
+                    );
+                }
+            }
+        }
+    }
+
+    /// The 6 x 16 tile over all `k`: `ap` 6 fp32 rows `k` apart, `bh` `[k][16]`.
+    #[inline(always)]
+    unsafe fn micro(ap: *const f32, bh: *const f32, k: usize) -> [[__m256; 2]; MR] {
+        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        for i in 0..k {
+            let b0 = _mm256_loadu_ps(bh.add(16 * i));
+            let b1 = _mm256_loadu_ps(bh.add(16 * i + 8));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let x = _mm256_broadcast_ss(&*ap.add(r * k + i));
+                a[0] = _mm256_fmadd_ps(x, b0, a[0]);
+                a[1] = _mm256_fmadd_ps(x, b1, a[1]);
+            }
+        }
+        acc
+    }
+
+    /// Rows `m .. m + r_n`, columns `n .. n + cols` of the output from a tile (bias added, one
+    /// rounding to bf16, as the small-row path).
+    #[inline(always)]
+    unsafe fn store(
+        c: &Linear,
+        acc: &[[__m256; 2]; MR],
+        m: usize,
+        r_n: usize,
+        n: usize,
+        cols: usize,
+    ) {
+        let mut buf = [0f32; 16];
+        for (r, a) in acc.iter().enumerate().take(r_n) {
+            _mm256_storeu_ps(buf.as_mut_ptr(), a[0]);
+            _mm256_storeu_ps(buf.as_mut_ptr().add(8), a[1]);
+            let out = c.out.add((m + r) * c.out_stride + n);
+            for (j, &s) in buf.iter().enumerate().take(cols) {
+                let b = if c.bias.is_null() {
+                    0.0
+                } else {
+                    crate::simd::bf16_to_f32(*c.bias.add(n + j))
+                };
+                *out.add(j) = crate::simd::f32_to_bf16(s + b);
+            }
+        }
+    }
+}
+
+/// Rows from which a plain call on the AVX2 path takes the blocked GEMM (`tall`) instead of the
+/// small-row panels (measured crossover: `benches/tools/linear_avx2_bf16.py`).
+pub const TALL_ROWS: usize = 48;
+
+/// Whether a call runs the blocked AVX2 GEMM (`tall`): the caller allows it (`kvcore_kernels`
+/// passes `KVCORE_NATIVE_TALL=0` as `false`, for A/B runs), a plain pack, `TALL_ROWS` rows or
+/// more, the AVX2 path.
+pub fn takes_tall(c: &Linear, portable: bool, allowed: bool) -> bool {
+    allowed && !portable && !c.glu && c.rows >= TALL_ROWS && has_avx2_path()
+}
+
 /// Whether this CPU runs the AVX-512 BF16 path (else the portable one, far slower: callers
 /// keep their own GEMM there).
 pub fn has_fast_path() -> bool {
@@ -525,6 +709,66 @@ mod tests {
                             }
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The blocked AVX2 GEMM gives the small-row path's bits (one `fma` chain over `k`
+    /// ascending), on every row count around its blocks and tiles, a ragged last panel, bias.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn tall_matches_small_rows_bit_for_bit() {
+        if !has_avx2_path() {
+            return;
+        }
+        let mut seed = 5u64;
+        for &(n, k) in &[(40usize, 576usize), (96, 1536), (17, 30)] {
+            let w: Vec<u16> = (0..n * k).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
+            let bias: Vec<u16> = (0..n).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
+            let mut packed = vec![0u32; n.div_ceil(NB) * k / 2 * NB];
+            unsafe { pack(w.as_ptr(), k, n, k, packed.as_mut_ptr()) };
+            let br = tall::block_rows(k);
+            for rows in [48, 49, 53, br - 1, br, br + 1, 2 * br + 5, 301] {
+                let x: Vec<u16> = (0..rows * k).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
+                for with_bias in [false, true] {
+                    let run = |tall_path: bool| {
+                        let mut out = vec![0u16; rows * n + 1];
+                        out[rows * n] = 0xabcd;
+                        let c = Linear {
+                            x: x.as_ptr(),
+                            x_stride: k,
+                            rows,
+                            k,
+                            w: packed.as_ptr(),
+                            n_out: n,
+                            bias: if with_bias {
+                                bias.as_ptr()
+                            } else {
+                                std::ptr::null()
+                            },
+                            out: out.as_mut_ptr(),
+                            out_stride: n,
+                            glu: false,
+                        };
+                        unsafe {
+                            if tall_path {
+                                let (_, _, tasks) = tall::plan(&c);
+                                for t in (0..tasks).rev() {
+                                    tall::run_task(&c, t);
+                                }
+                            } else {
+                                avx2::run_panels(&c, 0, c.panels());
+                            }
+                        }
+                        assert_eq!(out[rows * n], 0xabcd);
+                        out
+                    };
+                    assert_eq!(
+                        run(true),
+                        run(false),
+                        "{n}x{k} rows {rows} bias {with_bias}"
+                    );
                 }
             }
         }

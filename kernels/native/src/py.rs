@@ -266,7 +266,7 @@ fn elementwise(
 
 /// Small-batch bf16 linear over a packed weight (`kvcore_kernels.linear_cpu`); releases the GIL.
 #[pyfunction]
-#[pyo3(signature = (x, x_stride, rows, k, w, n_out, bias, out, out_stride, threads, mode, portable, glu=false))]
+#[pyo3(signature = (x, x_stride, rows, k, w, n_out, bias, out, out_stride, threads, mode, portable, glu=false, tall=true))]
 #[allow(clippy::too_many_arguments)]
 fn linear(
     py: Python<'_>,
@@ -283,6 +283,7 @@ fn linear(
     mode: u8,
     portable: bool,
     glu: bool,
+    tall: bool,
 ) -> PyResult<()> {
     if k == 0 || k % 2 != 0 || n_out == 0 || x_stride < k || out_stride < n_out {
         return Err(PyValueError::new_err(format!(
@@ -308,7 +309,7 @@ fn linear(
         out_stride,
         glu,
     };
-    py.detach(|| unsafe { crate::run_linear(&c, threads, mode, portable) })
+    py.detach(|| unsafe { crate::run_linear(&c, threads, mode, portable, tall) })
         .map_err(|_| PyRuntimeError::new_err("the native linear panicked"))
 }
 

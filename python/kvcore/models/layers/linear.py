@@ -54,7 +54,10 @@ Calls of up to ``UPCAST_SMALL_ROWS`` rows take the native kernel's AVX2 path on 
 the weight instead (``linear_cpu.avx2_path``): bf16 widened to fp32 in registers, so a step of a
 few rows streams half the bytes of the fp32 copy (2 threads, Zen 3, SmolLM2's shapes: 2.0-3.3x
 oneDNN's best fp32 GEMM at 1-4 rows, 1.05-1.2x at 48-64, even at 128, where the GEMM is
-compute-bound). ``KVCORE_SMALL_LINEAR=0`` turns it off too.
+compute-bound). ``KVCORE_SMALL_LINEAR=0`` turns it off too. Calls of 48 rows or more (prefill
+chunks) take the kernel's blocked AVX2 GEMM on the same pack (``linear_cpu.tall_path()``), so
+there every row count runs native and the fp32 copies are not made (SmolLM2: peak RSS 3.13 ->
+2.53 GB); ``KVCORE_NATIVE_TALL=0`` keeps the copies and oneDNN / MKL above 64 rows.
 """
 
 from __future__ import annotations
@@ -221,21 +224,34 @@ def _upcast_linears(model: nn.Module) -> int:
     oneDNN's bf16 GEMM sums in fp32 too, so only the order of the sums differs; the output is
     rounded to bf16 as before. Costs twice the bf16 weights' memory, four times with oneDNN's
     packed copy of them (``_packs_fp32``), five with the native kernel's bf16 pack for calls of
-    up to ``UPCAST_SMALL_ROWS`` rows (``can_pack_small_avx2``). Returns the bytes made."""
+    up to ``UPCAST_SMALL_ROWS`` rows (``can_pack_small_avx2``). Where the native kernel's blocked
+    AVX2 GEMM runs (``linear_cpu.tall_path()``), a weight it packs takes every row count there
+    and gets no fp32 copy: the bf16 pack alone, the weights' memory once more. Returns the bytes
+    made."""
     mods = []
+    small, tall = can_pack_small_avx2(), linear_cpu.tall_path()
+    total = 0
     for mod in model.modules():
         if not isinstance(mod, (MergedLinear, Linear)):
             continue
         mod.packed = mod.small = mod.gated = mod.upcast = None
         w = mod.weight
-        if w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2:
-            mods.append(mod)
+        if not (w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2):
+            continue
+        if small and w.shape[1] % 2 == 0 and (mod.bias is None or mod.bias.dtype == w.dtype):
+            mod.small = linear_cpu.pack_linear(w.detach())
+            total += mod.small.nbytes
+            if tall:  # the blocked AVX2 GEMM takes every row count: no fp32 copy
+                continue
+        mods.append(mod)
     # One arena for all copies (in 2 MiB pages where Linux lends them, as the KV cache: a decode
     # step streams every weight), each copy starting on a 64-byte line.
     sizes = [-(-m.weight.numel() // 16) * 16 for m in mods]
+    if not mods:
+        return total
     arena = kv_cache.zeros((sum(sizes),), torch.float32, torch.device("cpu"))
-    pack, small = _packs_fp32(), can_pack_small_avx2()
-    start = total = 0
+    pack = _packs_fp32()
+    start = 0
     for mod, size in zip(mods, sizes, strict=True):
         w = mod.weight
         copy = arena[start : start + w.numel()].view(w.shape)
@@ -243,9 +259,6 @@ def _upcast_linears(model: nn.Module) -> int:
         start += size
         bias = None if mod.bias is None else mod.bias.detach().float()
         total += w.numel() * 4
-        if small and w.shape[1] % 2 == 0 and (mod.bias is None or mod.bias.dtype == w.dtype):
-            mod.small = linear_cpu.pack_linear(w.detach())
-            total += mod.small.nbytes
         # oneDNN's packed copy for few-row calls (``UPCAST_PACKED_ELEMS_PER_ROW``) where the
         # native pack leaves it a range as wide as its own (SmolLM2: the LM head, 65-1,152 rows);
         # not where it would take none (qkv, o, down: 13-36 rows) or a sliver (gate-up: 65-72
