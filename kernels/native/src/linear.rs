@@ -405,12 +405,13 @@ pub mod avx2 {
 ///
 /// The small-row path above widens every row of `x` in each task and reads it from memory for
 /// each panel, which at 512-2,048 rows ran at 42-76 GFLOP/s on a Zen 3 (one thread) against
-/// 60-77 for MKL / oneDNN on fp32 copies (`benches/tools/linear_avx2_bf16.py`). Here, the GotoBLAS
-/// order (as BLIS's Zen kernels): a task is a block of `block_rows` rows and a run of panels; the
-/// block's rows are widened once to fp32 (row-major; the block sized to stay in L2), each panel is widened once into two halves `[k][16]` fp32, and a 6 x 16
-/// register tile (12 accumulators, 2 weight loads and 6 broadcasts per input) runs over the
-/// full `k`. The sum of each output is `fma` over `k` ascending from zero, the order of the
-/// small-row path: the same bits for a row whatever path or batch it runs in.
+/// 60-77 for MKL / oneDNN on fp32 copies (`benches/tools/linear_avx2_bf16.py`). Here, the
+/// GotoBLAS order (as BLIS's Zen kernels): a task is a block of `block_rows` rows and a run of
+/// panels; the block's rows are widened once to fp32 (row-major; the block sized to stay in
+/// L2), each panel is widened once into two halves `[k][16]` fp32, and a 6 x 16 register tile
+/// (12 accumulators, 2 weight loads and 6 broadcasts per input) runs over the full `k`. The
+/// sum of each output is `fma` over `k` ascending from zero, the order of the small-row path:
+/// the same bits for a row whatever path or batch it runs in.
 ///
 /// Scratch: per-thread, grown, never freed. Tasks are claimed dynamically (a slowed core takes
 /// fewer). Cost per task: `block_rows * k` widenings of `x` and `panels * k * 32` of weights,
