@@ -658,6 +658,30 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     }
 
+    /// A plain (not gated) call: `rows` rows of `x` (`k` apart) into `out` (`n` apart).
+    fn plain(
+        x: &[u16],
+        rows: usize,
+        k: usize,
+        packed: &[u32],
+        n: usize,
+        bias: Option<&[u16]>,
+        out: &mut [u16],
+    ) -> Linear {
+        Linear {
+            x: x.as_ptr(),
+            x_stride: k,
+            rows,
+            k,
+            w: packed.as_ptr(),
+            n_out: n,
+            bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
+            out: out.as_mut_ptr(),
+            out_stride: n,
+            glu: false,
+        }
+    }
+
     /// Both paths against an fp64 reference, every row count 1..=19 and a ragged last panel.
     #[test]
     fn packed_linear_matches_reference() {
@@ -673,22 +697,8 @@ mod tests {
                     for with_bias in [false, true] {
                         let mut out = vec![0u16; rows * n + 1];
                         out[rows * n] = 0xabcd; // guard: never written
-                        let c = Linear {
-                            x: x.as_ptr(),
-                            x_stride: k,
-                            rows,
-                            k,
-                            w: packed.as_ptr(),
-                            n_out: n,
-                            bias: if with_bias {
-                                bias.as_ptr()
-                            } else {
-                                std::ptr::null()
-                            },
-                            out: out.as_mut_ptr(),
-                            out_stride: n,
-                            glu: false,
-                        };
+                        let b = if with_bias { Some(&bias[..]) } else { None };
+                        let c = plain(&x, rows, k, &packed, n, b, &mut out);
                         unsafe { run_panels(&c, 0, c.panels(), portable) };
                         assert_eq!(out[rows * n], 0xabcd);
                         for m in 0..rows {
@@ -736,22 +746,8 @@ mod tests {
                     let run = |tall_path: bool| {
                         let mut out = vec![0u16; rows * n + 1];
                         out[rows * n] = 0xabcd;
-                        let c = Linear {
-                            x: x.as_ptr(),
-                            x_stride: k,
-                            rows,
-                            k,
-                            w: packed.as_ptr(),
-                            n_out: n,
-                            bias: if with_bias {
-                                bias.as_ptr()
-                            } else {
-                                std::ptr::null()
-                            },
-                            out: out.as_mut_ptr(),
-                            out_stride: n,
-                            glu: false,
-                        };
+                        let b = if with_bias { Some(&bias[..]) } else { None };
+                        let c = plain(&x, rows, k, &packed, n, b, &mut out);
                         unsafe {
                             if tall_path {
                                 let (_, _, tasks) = tall::plan(&c);
