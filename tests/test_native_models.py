@@ -28,7 +28,7 @@ from kvcore.models.native import native_model
 from kvcore.models.tiny import tiny_window_model
 from kvcore.params import SamplingParams
 from kvcore.runner.model_runner import ModelRunner
-from kvcore_kernels import linear_cpu
+from kvcore_kernels import cpu_native, linear_cpu
 from test_engine import SMALL
 
 FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3"]
@@ -265,8 +265,8 @@ def test_upcast_bf16_few_rows_take_the_native_avx2_linear(monkeypatch):
     """No bf16 GEMM here (Zen 3): bf16 weights run as fp32 copies, but calls of up to
     ``UPCAST_SMALL_ROWS`` rows take the native kernel's AVX2 path on a bf16 pack (half the
     bytes streamed); more rows keep oneDNN's fp32 GEMM, bit for bit as before. (With the
-    blocked AVX2 GEMM off, ``KVCORE_NATIVE_TALL=0``: the next test has it on.)"""
-    monkeypatch.setenv("KVCORE_NATIVE_TALL", "0")
+    blocked AVX2 GEMM off, ``cpu_native.OPTIONS.tall``: the next test has it on.)"""
+    monkeypatch.setattr(cpu_native.OPTIONS, "tall", False)
     hf = _hf("tiny-qwen2", dtype=torch.bfloat16)  # q/k/v carry a bias
     native, _ = native_model(hf)
     mods = [m for m in native.modules() if isinstance(m, (Linear, MergedLinear))]
@@ -317,7 +317,7 @@ def test_upcast_bf16_all_rows_take_the_native_avx2_kernel_without_fp32_copies(mo
     """With the blocked AVX2 GEMM (``linear_cpu.tall_path()``), every row count of a bf16 weight
     runs the native kernel on its bf16 pack: no fp32 copy is made (the weights' memory once more,
     not three times), prefill-sized calls give the small-row bits, and the forward stays within
-    bf16's reach of the one on oneDNN's fp32 GEMMs (``KVCORE_NATIVE_TALL=0``)."""
+    bf16's reach of the one on oneDNN's fp32 GEMMs (``cpu_native.OPTIONS.tall`` off)."""
     hf = _hf("tiny-qwen2", dtype=torch.bfloat16)  # q/k/v carry a bias
     native, _ = native_model(hf)
     mods = [m for m in native.modules() if isinstance(m, (Linear, MergedLinear))]
@@ -331,9 +331,9 @@ def test_upcast_bf16_all_rows_take_the_native_avx2_kernel_without_fp32_copies(mo
             got = linear_mod._linear(x, mod)
             assert torch.equal(got, linear_cpu.linear(x, mod.small, mod.bias))
             if rows >= 48:  # the small-row panels' bits
-                monkeypatch.setenv("KVCORE_NATIVE_TALL", "0")
+                monkeypatch.setattr(cpu_native.OPTIONS, "tall", False)
                 assert torch.equal(got, linear_cpu.linear(x, mod.small, mod.bias))
-                monkeypatch.delenv("KVCORE_NATIVE_TALL")
+                monkeypatch.setattr(cpu_native.OPTIONS, "tall", True)
             b32 = None if mod.bias is None else mod.bias.float()
             fp32 = F.linear(x.float(), mod.weight.float(), b32)
             err = (got.float() - fp32).abs().max() / fp32.abs().max()
@@ -341,7 +341,7 @@ def test_upcast_bf16_all_rows_take_the_native_avx2_kernel_without_fp32_copies(mo
     ids = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         fast = native(ids, torch.arange(60), torch.arange(60), DenseStep()).float()
-        monkeypatch.setenv("KVCORE_NATIVE_TALL", "0")
+        monkeypatch.setattr(cpu_native.OPTIONS, "tall", False)
         prepack_linears(native)
         assert all(m.upcast is not None for m in mods)  # the fp32 copies again
         slow = native(ids, torch.arange(60), torch.arange(60), DenseStep()).float()

@@ -89,6 +89,9 @@ class Options:
         else os.environ["KVCORE_NATIVE_FUSE_HEADS"] != "0"
     )
     cascade: bool = os.environ.get("KVCORE_NATIVE_CASCADE", "1") not in ("", "0")
+    # calls of many rows may take the blocked AVX2 GEMM (read here once: an environment
+    # lookup per call cost ~2 us, ~150 calls a step)
+    tall: bool = os.environ.get("KVCORE_NATIVE_TALL", "1") != "0"
 
 
 OPTIONS = Options()
@@ -419,9 +422,9 @@ def linear_avx2_path() -> bool:
 
 
 def linear_tall_allowed() -> bool:
-    """Whether calls of many rows may take the blocked AVX2 GEMM (``KVCORE_NATIVE_TALL=0``
-    keeps the small-row panels for every row count, for A/B runs)."""
-    return os.environ.get("KVCORE_NATIVE_TALL", "1") != "0"
+    """Whether calls of many rows may take the blocked AVX2 GEMM (``OPTIONS.tall``; at start,
+    ``KVCORE_NATIVE_TALL=0`` keeps the small-row panels for every row count, for A/B runs)."""
+    return OPTIONS.tall
 
 
 def linear(

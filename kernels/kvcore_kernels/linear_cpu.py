@@ -85,11 +85,11 @@ def avx2_path() -> bool:
 
 def tall_path() -> bool:
     """Whether calls of many rows (48 or more) take the native kernel's blocked AVX2 GEMM here:
-    the AVX2 path, and ``KVCORE_NATIVE_TALL`` is not ``0``. On a 2-core Zen 3, inside the offline
-    SmolLM2 job, it matches MKL's fp32 GEMM on an fp32 copy at one thread and is 6-9 % faster at
-    two (docs/engine.md), on the bf16 pack alone (no fp32 copy), with the small-row path's bits
-    (one fp32 ``fma`` chain over ``k`` ascending per output): a row's result does not depend on
-    the batch it runs in."""
+    the AVX2 path, and ``cpu_native.OPTIONS.tall`` (``KVCORE_NATIVE_TALL`` is not ``0`` at
+    import). On a 2-core Zen 3, inside the offline SmolLM2 job, it matches MKL's fp32 GEMM on an
+    fp32 copy at one thread and is 6-9 % faster at two (docs/engine.md), on the bf16 pack alone
+    (no fp32 copy), with the small-row path's bits (one fp32 ``fma`` chain over ``k`` ascending
+    per output): a row's result does not depend on the batch it runs in."""
     return avx2_path() and cpu_native.linear_tall_allowed()
 
 

@@ -106,7 +106,7 @@ def test_gated_linear_is_the_plain_product_then_silu_and_mul(portable, rows, i_o
 )
 def test_tall_rows_match_float64_and_the_small_row_bits(rows, n, k, bias, pad, mode, seed):
     """48 rows or more take the blocked AVX2 GEMM (``linear_cpu.tall_path()``): within the
-    float64 bound, and the bits of the small-row panels (``KVCORE_NATIVE_TALL=0``), which sum
+    float64 bound, and the bits of the small-row panels (``OPTIONS.tall`` off), which sum
     each output in the same order, in every thread mode."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen).bfloat16()
@@ -116,7 +116,7 @@ def test_tall_rows_match_float64_and_the_small_row_bits(rows, n, k, bias, pad, m
     with _options(mode=mode):
         got = linear_cpu.linear(x, packed, b)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("KVCORE_NATIVE_TALL", "0")
+            mp.setattr(cpu_native.OPTIONS, "tall", False)
             assert not linear_cpu.tall_path()
             small = linear_cpu.linear(x, packed, b)
     _check(got, x, w, b)

@@ -290,6 +290,21 @@ pub mod avx512 {
     }
 }
 
+/// Row `m`, columns `n .. n + sums.len()` of the output: each fp32 sum plus the bias, rounded
+/// once to bf16. The epilogue of both AVX2 paths (`avx2`, `tall`), so they give the same bits.
+#[inline(always)]
+unsafe fn store_row(c: &Linear, sums: &[f32], m: usize, n: usize) {
+    let out = c.out.add(m * c.out_stride + n);
+    for (j, &s) in sums.iter().enumerate() {
+        let b = if c.bias.is_null() {
+            0.0
+        } else {
+            crate::simd::bf16_to_f32(*c.bias.add(n + j))
+        };
+        *out.add(j) = crate::simd::f32_to_bf16(s + b);
+    }
+}
+
 /// The same panels on AVX2 + FMA (no bf16 dot product: a Zen 3, where oneDNN has no bf16 GEMM
 /// and kvcore's bf16 weights otherwise run as fp32 copies). Each 32-byte load is 8 columns x 2
 /// inputs, widened to fp32 by a shift (the even input's weights) and a mask (the odd one's),
@@ -354,15 +369,7 @@ pub mod avx2 {
             for (q, v) in a.iter().enumerate() {
                 _mm256_storeu_ps(buf.as_mut_ptr().add(8 * q), *v);
             }
-            let out = c.out.add((m0 + r) * c.out_stride + n0);
-            for (j, &s) in buf.iter().enumerate().take(cols) {
-                let b = if c.bias.is_null() {
-                    0.0
-                } else {
-                    crate::simd::bf16_to_f32(*c.bias.add(n0 + j))
-                };
-                *out.add(j) = crate::simd::f32_to_bf16(s + b);
-            }
+            super::store_row(c, &buf[..cols], m0 + r, n0);
         }
     }
 
@@ -560,15 +567,7 @@ pub mod tall {
         for (r, a) in acc.iter().enumerate().take(r_n) {
             _mm256_storeu_ps(buf.as_mut_ptr(), a[0]);
             _mm256_storeu_ps(buf.as_mut_ptr().add(8), a[1]);
-            let out = c.out.add((m + r) * c.out_stride + n);
-            for (j, &s) in buf.iter().enumerate().take(cols) {
-                let b = if c.bias.is_null() {
-                    0.0
-                } else {
-                    crate::simd::bf16_to_f32(*c.bias.add(n + j))
-                };
-                *out.add(j) = crate::simd::f32_to_bf16(s + b);
-            }
+            super::store_row(c, &buf[..cols], m + r, n);
         }
     }
 }
