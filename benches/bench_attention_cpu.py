@@ -4,7 +4,9 @@ Per shape, interleaved in one run: the native kernel (backend "cpu", K/V read in
 a shuffled block table), the torch twin (backend "torch"; skipped past ``TWIN_MAX_TOKENS``
 cached tokens, it gathers them all), SDPA over the same K/V already contiguous (GQA-native; the
 peer the targets name) and a plain copy of the K/V bytes the kernel reads (``copy_``, the
-bandwidth yardstick: ``pct_of_copy`` = copy time / kernel time). Decode (one query per request)
+bandwidth yardstick: ``pct_of_copy`` = copy time / kernel time); for decode also a copy of the
+same blocks out of the cache in the table's shuffled order (``gather``: whether reading scattered
+blocks, rather than the kernel, is what falls short of the copy). Decode (one query per request)
 over batch x context, prefill (one request, causal), and decode over int8 / fp8 caches against
 bf16 at the same shape. Medians over rounds; ``--seed`` draws other data and block tables.
 
@@ -72,12 +74,17 @@ def decode_row(gen, batch: int, length: int, dtype, budget_s: float) -> dict[str
     )
     q4 = q.view(batch, HQ, 1, D)
     dst_k, dst_v = torch.empty_like(keys), torch.empty_like(values)
+    # The same blocks copied out in the table's (shuffled) order: what reading the scattered
+    # 12 KiB blocks costs a plain copy loop (``index_select``: one memcpy per block).
+    blocks = table.flatten().long()
+    gathered = torch.empty((len(blocks),) + tuple(cache.shape[1:]), dtype=cache.dtype)
     fns = {
         "kernel": lambda: kk.paged_attention(q, cache, meta, scale=D**-0.5, backend="cpu"),
         "sdpa": lambda: F.scaled_dot_product_attention(
             q4, keys, values, scale=D**-0.5, enable_gqa=True
         ),
         "copy": lambda: (dst_k.copy_(keys), dst_v.copy_(values)),
+        "gather": lambda: torch.index_select(cache, 0, blocks, out=gathered),
     }
     if batch * length <= TWIN_MAX_TOKENS:
         fns["twin"] = lambda: kk.paged_attention(q, cache, meta, scale=D**-0.5, backend="torch")
@@ -139,15 +146,18 @@ def sweep(quick: bool, dtype_name: str, seed: int, budget_s: float) -> None:
           f"threads {torch.get_num_threads()}, features {features()}, clock "
           f"{'thread CPU time' if torch.get_num_threads() == 1 else 'wall'}")  # fmt: skip
     print("\n| decode batch x ctx | kernel ms | twin ms | SDPA ms | kernel/SDPA | kernel GB/s "
-          "| copy ms | % of copy |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+          "| copy ms | % of copy | gather ms | gather % of copy |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for batch, length in grid["decode"]:
         ms = decode_row(gen, batch, length, dtype, budget_s)
         twin = f"{ms['twin']:.2f}" if "twin" in ms else "-"
         print(f"| {batch} x {length} | {ms['kernel']:.3f} | {twin} | {ms['sdpa']:.2f} | "
               f"{ms['kernel'] / ms['sdpa']:.3f} | {ms['gb_s']:.1f} | {ms['copy']:.3f} | "
-              f"{100 * ms['copy'] / ms['kernel']:.0f}% |")  # fmt: skip
+              f"{100 * ms['copy'] / ms['kernel']:.0f}% | {ms['gather']:.3f} | "
+              f"{100 * ms['copy'] / ms['gather']:.0f}% |")  # fmt: skip
         tag = f"b{batch}_ctx{length}"
         print(f"decode_pct_of_copy_{tag}: {100 * ms['copy'] / ms['kernel']:.1f} %")
+        print(f"decode_gather_pct_of_copy_{tag}: {100 * ms['copy'] / ms['gather']:.1f} %")
         print(f"decode_kernel_ratio_vs_sdpa_{tag}: {ms['kernel'] / ms['sdpa']:.3f} x")
     print("\n| prefill tokens | kernel ms | twin ms | SDPA ms (causal) | kernel/SDPA |\n"
           "|---|---|---|---|---|")  # fmt: skip
