@@ -186,6 +186,37 @@ def test_a_half_sent_body_is_one_log_line(server):
     assert server.health()["num_unfinished"] == 0
 
 
+# ---- values that do not fit in 64 bits ----------------------------------------------------
+
+
+def test_values_past_64_bits_get_a_400_and_hold_up_nobody(server):
+    """Integers go to the engine process as msgpack (64 bits). A seed, top_k, priority, stop
+    token or prompt id past that range once broke the message it shared with other requests:
+    they all waited forever, and the server's waiting count leaked until it refused all."""
+    server.wait_idle()
+    huge = 2**70
+    bad = [
+        _body([[5, 6]], 2, seed=huge), _body([[5, 6]], 2, seed=-huge),
+        _body([[5, 6]], 2, top_k=huge), _body([[5, 6]], 2, priority=huge),
+        _body([[5, 6]], 2, stop_token_ids=[huge]), _body([[5, huge]], 2),
+    ]  # fmt: skip
+    good = [_body([[5, 6 + i]], 3) for i in range(3)]
+
+    async def together():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bad + good))
+
+    answers = asyncio.run(together())  # sent at once: they share the engine's messages
+    for r in answers[: len(bad)]:
+        assert r.status_code == 400 and "error" in r.json(), r.text
+    for r in answers[len(bad) :]:
+        assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) >= 0, r.text
+    server.wait_idle()
+    # Nothing leaked into the waiting count: a body of exactly --max-waiting prompts fits.
+    r = _post(server, _body([[4]] * MAX_WAITING, 1))
+    assert r.status_code == 200, r.text
+
+
 # ---- item 8: fuzzing the API --------------------------------------------------------------
 
 _junk = st.one_of(
@@ -308,6 +339,7 @@ def test_streams_cut_by_shutdown_end_with_an_error_event_and_done(server):
                 lines = []
                 body = _body([[11, i + 3]], 200, stream=True)
                 async with c.stream("POST", server.url + "/v1/completions", json=body) as r:
+                    assert r.status_code == 200, (r.status_code, await r.aread())
                     async for line in r.aiter_lines():
                         if line.startswith("data: "):
                             lines.append(line[6:])

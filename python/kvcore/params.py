@@ -22,6 +22,10 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+#: Integers go to the engine process as 64-bit values (msgpack): larger ones are refused here.
+_I64 = 2**63
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completion(s). ``temperature=0`` is greedy."""
@@ -45,7 +49,10 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(
+            _is_int(self.n) and 1 <= self.n < _I64,
+            f"n must be an integer in [1, 2**63), got {self.n!r}",
+        )
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             _check(
@@ -60,14 +67,20 @@ class SamplingParams:
             )
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(_is_int(self.top_k) and self.top_k >= -1, f"top_k must be >= -1, got {self.top_k!r}")
+        _check(
+            _is_int(self.top_k) and -1 <= self.top_k < _I64,
+            f"top_k must be an integer in [-1, 2**63), got {self.top_k!r}",
+        )
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _check(self.repetition_penalty > 0, "repetition_penalty must be > 0")
         _check(
-            _is_int(self.max_tokens) and self.max_tokens >= 1,
-            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+            _is_int(self.max_tokens) and 1 <= self.max_tokens < _I64,
+            f"max_tokens must be an integer in [1, 2**63), got {self.max_tokens!r}",
         )
-        _check(self.seed is None or _is_int(self.seed), f"seed must be an int, got {self.seed!r}")
+        _check(
+            self.seed is None or (_is_int(self.seed) and -_I64 <= self.seed < 2 * _I64),
+            f"seed must be an int in [-2**63, 2**64), got {self.seed!r}",
+        )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(
@@ -84,8 +97,8 @@ class SamplingParams:
         )
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids must be non-negative integers",
+            all(_is_int(t) and 0 <= t < _I64 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers below 2**63",
         )
         _check(
             self.logprobs is None

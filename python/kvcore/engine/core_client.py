@@ -174,6 +174,10 @@ class EngineCoreClient:
             raise EngineDeadError(self.dead)
         if not self.running:
             raise EngineError("the engine is not running")
+        if not (isinstance(priority, int) and -(2**62) <= priority < 2**62):
+            # The engine's own rule (inputs.priorities), checked here: a value msgpack cannot
+            # carry must fail its own request, not the message it would share with others.
+            raise errors.InvalidArgumentError(f"priority must be an int, got {priority!r}")
         loop = asyncio.get_running_loop()
         sink = _Stream(request_id, loop)
         req = TrackedRequest(request_id, list(prompt), params, self.tokenizer, stream, sink)
@@ -251,9 +255,38 @@ class EngineCoreClient:
             self._flush_scheduled = False
             msg, self._pending = self._pending, EngineInputs()
         if msg.adds or msg.aborts or msg.calls or msg.shutdown:
+            try:
+                data = self._enc.encode(msg)
+            except (OverflowError, TypeError, ValueError):
+                data = self._encode_without_bad_adds(msg)
             with self._send_lock:
                 if not self._push.closed:
-                    self._push.send(self._enc.encode(msg), copy=False)
+                    self._push.send(data, copy=False)
+
+    def _encode_without_bad_adds(self, msg: EngineInputs) -> bytes:
+        """A request the encoder refuses (a value msgpack cannot carry that validation let
+        through) fails alone with a 400-class error; the rest of the message still goes.
+        Without this, the message would be lost and every request in it would wait forever."""
+        bad: list[tuple[AddRequest, Exception]] = []
+        for add in msg.adds:
+            try:
+                self._enc.encode(add)
+            except (OverflowError, TypeError, ValueError) as e:
+                bad.append((add, e))
+        refused = {id(a) for a, _ in bad}
+        msg.adds = [a for a in msg.adds if id(a) not in refused]
+        deliveries = []
+        with self._lock:
+            for add, e in bad:
+                req = self._tracked.pop(add.request_id, None)
+                if req is not None:
+                    self._num_pending_adds -= 1
+                    err = errors.InvalidArgumentError(f"the request cannot be sent: {e}")
+                    deliveries.append((req.sink, err))
+        for add, e in bad:
+            log.error("kvcore: request %s refused: %s", add.request_id, e)
+        _deliver(deliveries)
+        return self._enc.encode(msg)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the engine to abort what is left and exit; wait for it (then kill it)."""

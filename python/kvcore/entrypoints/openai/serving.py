@@ -214,8 +214,14 @@ async def run(state: ServerState, job: Job) -> AsyncIterator[tuple[int, RequestO
     cancelled (the client left), every prompt of the job is aborted."""
     _admit(state, len(job.prompts))
     single = len(job.prompts) == 1
-    submits = [
-        state.engine.submit(
+    # Each prompt counts in ``state.reserved`` until its submit starts; from then on the
+    # engine's ``num_waiting`` counts it (counting both would refuse bodies that fit).
+    unstarted = [len(job.prompts)]
+
+    async def submit(i: int, prompt: list[int], params: SamplingParams) -> RequestStream:
+        unstarted[0] -= 1
+        state.reserved -= 1
+        return await state.engine.submit(
             job.id if single else f"{job.id}-{i}",
             prompt,
             params,
@@ -223,9 +229,11 @@ async def run(state: ServerState, job: Job) -> AsyncIterator[tuple[int, RequestO
             cache_salt=job.req.cache_salt,
             stream=job.req.stream,
         )
+
+    tasks = [
+        asyncio.ensure_future(submit(i, prompt, params))
         for i, (prompt, params) in enumerate(zip(job.prompts, job.params, strict=True))
     ]
-    tasks = [asyncio.ensure_future(s) for s in submits]
     state.reserved += len(tasks)
     try:
         await asyncio.wait(tasks)
@@ -237,7 +245,7 @@ async def run(state: ServerState, job: Job) -> AsyncIterator[tuple[int, RequestO
                 t.result().close()
         raise
     finally:
-        state.reserved -= len(tasks)
+        state.reserved -= unstarted[0]  # tasks cancelled before they started
     errors = [t.exception() for t in tasks if t.exception() is not None]
     job.streams.extend(t.result() for t in tasks if t.exception() is None)
     if errors:
