@@ -176,7 +176,6 @@ impl Simd for Avx2 {
     const PV_PAIRED: bool = false;
     const QK_TWO_CHAINS: bool = false;
     const QK_DIRECT: bool = true;
-    const PREFETCH_L2: bool = true;
     #[inline(always)]
     unsafe fn qk_direct<const F: u8, const NR: usize>(
         q: *const f32,

@@ -47,9 +47,6 @@ pub trait Simd: Copy {
     const QK_TWO_CHAINS: bool = true;
     /// Whether the bf16-pair methods below are implemented (AVX-512 BF16 dot products).
     const DPBF16: bool = false;
-    /// Whether the keys ahead are prefetched into L2 only (AVX2 on a Zen 3: 1-8 % faster cold
-    /// decode than into L1, where 64 keys' rows, 48 KiB at 3 KV heads, outgrow its 32 KiB).
-    const PREFETCH_L2: bool = false;
     /// Whether `qk_direct` is implemented (AVX2: decode scores without the K tile's transpose).
     const QK_DIRECT: bool = false;
     /// `p[x][j] = q[x] . K[j]` for `NR` rows and keys `j < nk`, K rows of format `F` (fp32,
