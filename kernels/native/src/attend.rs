@@ -551,6 +551,13 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     prefetch_row(r.add(hh * c.stride_head), row_bytes);
                     prefetch_row(r.add(hh * c.stride_head + c.v_offset), row_bytes);
                 }
+                if int8 && (pf_t == 0 || pf_key == key_lo) {
+                    // the block's scales, per head: K's then V's (2 bs halves, maybe 2 lines)
+                    let s = c.kv.add(blk as usize * c.stride_block + c.scale_offset);
+                    for hh in h0..h1 {
+                        prefetch_row(s.add(hh * c.stride_head), 4 * c.block_size + 63);
+                    }
+                }
             }
             pf_key += 1;
             pf_t += 1;
