@@ -250,18 +250,22 @@ class EngineCoreClient:
             loop.call_soon(self._flush)
 
     def _flush(self) -> None:
-        """Send what this event-loop turn queued, as one message."""
-        with self._lock:
-            self._flush_scheduled = False
-            msg, self._pending = self._pending, EngineInputs()
-        if msg.adds or msg.aborts or msg.calls or msg.shutdown:
+        """Send what this event-loop turn queued, as one message. The event loop and the
+        receiver thread (stop-string aborts) both flush: taking the queue and sending it under
+        one lock keeps the messages in the order their contents were queued (else an add could
+        reach the engine after its own abort, and run to its end unread)."""
+        with self._send_lock:
+            with self._lock:
+                self._flush_scheduled = False
+                msg, self._pending = self._pending, EngineInputs()
+            if not (msg.adds or msg.aborts or msg.calls or msg.shutdown):
+                return
             try:
                 data = self._enc.encode(msg)
             except (OverflowError, TypeError, ValueError):
                 data = self._encode_without_bad_adds(msg)
-            with self._send_lock:
-                if not self._push.closed:
-                    self._push.send(data, copy=False)
+            if not self._push.closed:
+                self._push.send(data, copy=False)
 
     def _encode_without_bad_adds(self, msg: EngineInputs) -> bytes:
         """A request the encoder refuses (a value msgpack cannot carry that validation let
