@@ -210,7 +210,7 @@ def test_values_past_64_bits_get_a_400_and_hold_up_nobody(server):
     for r in answers[: len(bad)]:
         assert r.status_code == 400 and "error" in r.json(), r.text
     for r in answers[len(bad) :]:
-        assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) >= 0, r.text
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
     server.wait_idle()
     # Nothing leaked into the waiting count: a body of exactly --max-waiting prompts fits.
     r = _post(server, _body([[4]] * MAX_WAITING, 1))

@@ -49,6 +49,7 @@ from kvcore.engine.core_messages import (
     decoder,
     encoder,
 )
+from kvcore.engine.inputs import priorities
 from kvcore.engine.output_processor import TrackedRequest
 from kvcore.params import SamplingParams
 
@@ -174,10 +175,9 @@ class EngineCoreClient:
             raise EngineDeadError(self.dead)
         if not self.running:
             raise EngineError("the engine is not running")
-        if not (isinstance(priority, int) and -(2**62) <= priority < 2**62):
-            # The engine's own rule (inputs.priorities), checked here: a value msgpack cannot
-            # carry must fail its own request, not the message it would share with others.
-            raise errors.InvalidArgumentError(f"priority must be an int, got {priority!r}")
+        # The engine's own rule, checked here too: a value msgpack cannot carry must fail its
+        # own request, not the message it would share with others.
+        priorities(priority, 1)
         loop = asyncio.get_running_loop()
         sink = _Stream(request_id, loop)
         req = TrackedRequest(request_id, list(prompt), params, self.tokenizer, stream, sink)
@@ -271,14 +271,15 @@ class EngineCoreClient:
         """A request the encoder refuses (a value msgpack cannot carry that validation let
         through) fails alone with a 400-class error; the rest of the message still goes.
         Without this, the message would be lost and every request in it would wait forever."""
+        good: list[AddRequest] = []
         bad: list[tuple[AddRequest, Exception]] = []
         for add in msg.adds:
             try:
                 self._enc.encode(add)
+                good.append(add)
             except (OverflowError, TypeError, ValueError) as e:
                 bad.append((add, e))
-        refused = {id(a) for a, _ in bad}
-        msg.adds = [a for a in msg.adds if id(a) not in refused]
+        msg.adds = good
         deliveries = []
         with self._lock:
             for add, e in bad:
