@@ -128,6 +128,8 @@ pub struct Call {
     /// request's own one are not adjacent)
     pub merges: *const i64,
     pub partial: *mut f32,
+    /// whether an item prefetches the first keys of the task its thread runs next as it ends
+    pub prefetch_next: bool,
 }
 
 unsafe impl Sync for Call {}
@@ -230,6 +232,37 @@ unsafe fn prefetch_row(p: *const u8, bytes: usize) {
         }
     }
     let _ = (p, bytes);
+}
+
+/// Prefetch key `t` of block-table entry `blk_idx` (K and V rows of heads `heads`; with
+/// `first` or at a block's first key, an int8 block's scales too).
+#[inline(always)]
+unsafe fn prefetch_key(
+    c: &Call,
+    table: *const i64,
+    blk_idx: usize,
+    t: usize,
+    heads: (usize, usize),
+    row_bytes: usize,
+    int8: bool,
+    first: bool,
+) {
+    let blk = *table.add(blk_idx);
+    if blk == 0 && c.released {
+        return;
+    }
+    let r = c.kv.add(blk as usize * c.stride_block + t * c.stride_tok);
+    for hh in heads.0..heads.1 {
+        prefetch_row(r.add(hh * c.stride_head), row_bytes);
+        prefetch_row(r.add(hh * c.stride_head + c.v_offset), row_bytes);
+    }
+    if int8 && (t == 0 || first) {
+        // the block's scales, per head: K's then V's (2 bs halves, maybe 2 lines)
+        let s = c.kv.add(blk as usize * c.stride_block + c.scale_offset);
+        for hh in heads.0..heads.1 {
+            prefetch_row(s.add(hh * c.stride_head), 4 * c.block_size + 63);
+        }
+    }
 }
 
 /// Format as the const generic `run_item` is instantiated with.
@@ -410,6 +443,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     c: &Call,
     item: usize,
     heads: (usize, usize),
+    next: Option<(usize, (usize, usize))>,
     scratch: &mut [f32],
 ) {
     let w = std::slice::from_raw_parts(c.work.add(6 * item), 6);
@@ -532,6 +566,12 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     // Keys PREFETCH_KEYS ahead of the tile are prefetched (K and V rows of every head): a
     // request's blocks are scattered, so the hardware prefetcher cannot guess them.
     let mut pf_key = key_lo;
+    // The task this thread runs next (`pool::for_each_ahead`): its block table, keys, heads.
+    let next = next.filter(|_| c.prefetch_next).map(|(it, nh)| {
+        let w = std::slice::from_raw_parts(c.work.add(6 * it), 6);
+        (c.table.add(w[0] as usize * c.table_stride), w[3], w[4], nh)
+    });
+    let mut nx_key = next.map_or(0, |n| n.1);
     let (mut pf_blk, mut pf_t) = ((pf_key / bs) as usize, (pf_key % bs) as usize);
     let (mut cur_blk, mut cur_t) = ((key_lo / bs) as usize, (key_lo % bs) as usize);
     let mut base = [0usize; W]; // byte offset of key j's K row of head 0 (real keys)
@@ -543,27 +583,30 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
         let n = (key_hi - k0).min(W as i64) as usize;
         let pf_end = (k0 + W as i64 + PREFETCH_KEYS).min(key_hi);
         while pf_key < pf_end {
-            let blk = *table.add(pf_blk);
-            if blk != 0 || !c.released {
-                let r =
-                    c.kv.add(blk as usize * c.stride_block + pf_t * c.stride_tok);
-                for hh in h0..h1 {
-                    prefetch_row(r.add(hh * c.stride_head), row_bytes);
-                    prefetch_row(r.add(hh * c.stride_head + c.v_offset), row_bytes);
-                }
-                if int8 && (pf_t == 0 || pf_key == key_lo) {
-                    // the block's scales, per head: K's then V's (2 bs halves, maybe 2 lines)
-                    let s = c.kv.add(blk as usize * c.stride_block + c.scale_offset);
-                    for hh in h0..h1 {
-                        prefetch_row(s.add(hh * c.stride_head), 4 * c.block_size + 63);
-                    }
-                }
-            }
+            prefetch_key(
+                c,
+                table,
+                pf_blk,
+                pf_t,
+                (h0, h1),
+                row_bytes,
+                int8,
+                pf_key == key_lo,
+            );
             pf_key += 1;
             pf_t += 1;
             if pf_t == c.block_size {
                 pf_t = 0;
                 pf_blk += 1;
+            }
+        }
+        // Past the item's last key: the first keys of the item this thread runs next.
+        if let Some((ntable, nlo, nhi, nheads)) = next {
+            let want = (k0 + W as i64 + PREFETCH_KEYS - key_hi).min(nhi - nlo);
+            while nx_key < nlo + want {
+                let (b, t) = ((nx_key / bs) as usize, (nx_key % bs) as usize);
+                prefetch_key(c, ntable, b, t, nheads, row_bytes, int8, nx_key == nlo);
+                nx_key += 1;
             }
         }
         let mut tile_mask: u16 = 0;
@@ -671,45 +714,54 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 relay_v_pairs::<S, F>(&vptr, njp, d, vp);
                 let ksc = &*(kscale.as_ptr() as *const [f32; W]);
                 let vsc = &*(vscale.as_ptr() as *const [f32; W]);
-                for b in 0..nblk {
-                    if b * W >= r_hi || (b + 1) * W <= r_lo {
-                        continue; // no row of this block sees a key of the tile
+                let active = |b: usize| b < nblk && b * W < r_hi && (b + 1) * W > r_lo;
+                let mut b = 0;
+                while b < nblk {
+                    if !active(b) {
+                        b += 1; // no row of this block sees a key of the tile
+                        continue;
                     }
-                    let (mut slope, mut qpos) = ([0f32; W], [0f32; W]);
-                    if !c.alibi.is_null() {
-                        for lane in 0..W.min(hrows - b * W) {
-                            let rl = b * W + lane;
-                            qpos[lane] = (first_pos + (rl / g) as i64) as f32;
-                            slope[lane] = *c.alibi.add(hh * g + rl % g);
+                    // Two adjacent blocks that both see the tile run together (`block2`).
+                    let nb = if active(b + 1) { 2 } else { 1 };
+                    let (mut slope, mut qpos) = ([[0f32; W]; 2], [[0f32; W]; 2]);
+                    let mut kmask = [[0u16; W]; 2];
+                    let mut full = [true; 2];
+                    for i in 0..nb {
+                        let bb = b + i;
+                        if !c.alibi.is_null() {
+                            for lane in 0..W.min(hrows - bb * W) {
+                                let rl = bb * W + lane;
+                                qpos[i][lane] = (first_pos + (rl / g) as i64) as f32;
+                                slope[i][lane] = *c.alibi.add(hh * g + rl % g);
+                            }
                         }
+                        let lanes = crate::cols::lane_masks(masks.as_ptr(), bb, g, hrows);
+                        full[i] = crate::cols::key_masks(lanes, &mut kmask[i]);
                     }
-                    let mut kmask = [0u16; W];
-                    let lanes = crate::cols::lane_masks(masks.as_ptr(), b, g, hrows);
-                    let full = crate::cols::key_masks(lanes, &mut kmask);
-                    let tile = crate::cols::Tile {
+                    let tile = |i: usize| crate::cols::Tile {
                         kb: kbp,
                         vp,
                         njp,
                         qs: c.scale * kscale_of(hh),
-                        kmask: if full { None } else { Some(&kmask) },
+                        kmask: if full[i] { None } else { Some(&kmask[i]) },
                         kscale: if int8 { Some(ksc) } else { None },
                         vscale: if int8 { Some(vsc) } else { None },
                         soft_cap: c.soft_cap,
                         alibi: if c.alibi.is_null() {
                             None
                         } else {
-                            Some((&slope, &qpos, k0 as f32))
+                            Some((&slope[i], &qpos[i], k0 as f32))
                         },
                     };
                     let at = ((hh - h0) * nblk + b) * W;
-                    crate::cols::block_d(
-                        d,
-                        &tile,
-                        q_t.add(at * d / 2),
-                        acc_t.as_mut_ptr().add(at * d),
-                        m_t.as_mut_ptr().add(at),
-                        l_t.as_mut_ptr().add(at),
-                    );
+                    let (qa, aa) = (q_t.add(at * d / 2), acc_t.as_mut_ptr().add(at * d));
+                    let (ma, la) = (m_t.as_mut_ptr().add(at), l_t.as_mut_ptr().add(at));
+                    if nb == 2 {
+                        crate::cols::block2_d(d, &tile(0), &tile(1), qa, aa, ma, la);
+                    } else {
+                        crate::cols::block_d(d, &tile(0), qa, aa, ma, la);
+                    }
+                    b += nb;
                 }
                 continue;
             }

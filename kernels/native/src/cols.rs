@@ -88,6 +88,29 @@ pub unsafe fn block_d(
     }
 }
 
+/// `block2` for head dim `d` (one of `supports`).
+///
+/// # Safety
+/// As `block2`.
+#[inline(always)]
+pub unsafe fn block2_d(
+    d: usize,
+    t0: &Tile,
+    t1: &Tile,
+    q_t: *const u32,
+    acc_t: *mut f32,
+    m: *mut f32,
+    l: *mut f32,
+) {
+    match d {
+        32 => block2::<32>(t0, t1, q_t, acc_t, m, l),
+        64 => block2::<64>(t0, t1, q_t, acc_t, m, l),
+        96 => block2::<96>(t0, t1, q_t, acc_t, m, l),
+        128 => block2::<128>(t0, t1, q_t, acc_t, m, l),
+        _ => block2::<256>(t0, t1, q_t, acc_t, m, l),
+    }
+}
+
 /// One block of 16 rows over one tile of 16 keys: scores, online softmax and P.V, updating
 /// `acc_t` (`D` x 16), `m` and `l` (16 each) in place. `q_t`: `D / 2` x 16 dwords of query pairs.
 ///
@@ -101,18 +124,123 @@ pub unsafe fn block<const D: usize>(
     m: *mut f32,
     l: *mut f32,
 ) {
-    let d = D;
-    let dp = D / 2;
     // Scores: 16 independent accumulators, one per key.
     let mut s = [_mm512_setzero_ps(); W];
     let kb = t.kb as *const u32;
-    for i in 0..dp {
+    for i in 0..D / 2 {
         let q = bh(_mm512_loadu_si512(q_t.add(i * W) as *const _));
         for j in 0..W {
-            let k = bh(_mm512_set1_epi32(*kb.add(j * dp + i) as i32));
+            let k = bh(_mm512_set1_epi32(*kb.add(j * D / 2 + i) as i32));
             s[j] = _mm512_dpbf16_ps(s[j], k, q);
         }
     }
+    let (pp, alpha, rescale) = softmax(t, s, m, l);
+    // P.V on the transposed accumulator, 16 columns at a time.
+    let mut cc = 0;
+    while cc < D {
+        let mut a = [_mm512_setzero_ps(); W];
+        for c in 0..W {
+            a[c] = _mm512_loadu_ps(acc_t.add((cc + c) * W));
+            if rescale {
+                a[c] = _mm512_mul_ps(a[c], alpha);
+            }
+        }
+        for jp in 0..t.njp {
+            let p = bh(pp[jp]);
+            let v = t.vp.add(jp * D + cc);
+            for c in 0..W {
+                a[c] = _mm512_dpbf16_ps(a[c], bh(_mm512_set1_epi32(*v.add(c) as i32)), p);
+            }
+        }
+        for c in 0..W {
+            _mm512_storeu_ps(acc_t.add((cc + c) * W), a[c]);
+        }
+        cc += W;
+    }
+}
+
+/// `block` for two adjacent blocks of rows over the same tile (`t0`, `t1`: their masks and
+/// ALiBi positions; the data fields are the same): each broadcast K or V pair feeds both
+/// blocks' dot products, half the broadcasts of two `block` calls (a broadcast per dot product
+/// held `vdpbf16ps` to ~0.7 of its peak on a Zen 4; one per two runs at peak). Block 1's `q_t`,
+/// `acc_t`, `m`, `l` follow block 0's (`D / 2 * 16` dwords, `D * 16` and 16 floats on).
+///
+/// # Safety
+/// As `block`, for both blocks.
+#[inline(always)]
+pub unsafe fn block2<const D: usize>(
+    t0: &Tile,
+    t1: &Tile,
+    q_t: *const u32,
+    acc_t: *mut f32,
+    m: *mut f32,
+    l: *mut f32,
+) {
+    let kb = t0.kb as *const u32;
+    let q1 = q_t.add(D / 2 * W);
+    // Scores, eight keys of both blocks at a time (16 accumulators).
+    let mut s = [[_mm512_setzero_ps(); W]; 2];
+    for half in 0..2 {
+        let mut a = [_mm512_setzero_ps(); W];
+        for i in 0..D / 2 {
+            let qa = bh(_mm512_loadu_si512(q_t.add(i * W) as *const _));
+            let qb = bh(_mm512_loadu_si512(q1.add(i * W) as *const _));
+            for j in 0..W / 2 {
+                let key = half * W / 2 + j;
+                let k = bh(_mm512_set1_epi32(*kb.add(key * D / 2 + i) as i32));
+                a[j] = _mm512_dpbf16_ps(a[j], k, qa);
+                a[W / 2 + j] = _mm512_dpbf16_ps(a[W / 2 + j], k, qb);
+            }
+        }
+        for j in 0..W / 2 {
+            s[0][half * W / 2 + j] = a[j];
+            s[1][half * W / 2 + j] = a[W / 2 + j];
+        }
+    }
+    let (pp0, alpha0, rescale0) = softmax(t0, s[0], m, l);
+    let (pp1, alpha1, rescale1) = softmax(t1, s[1], m.add(W), l.add(W));
+    // P.V, eight columns of both blocks at a time (16 accumulators).
+    let acc1 = acc_t.add(D * W);
+    let mut cc = 0;
+    while cc < D {
+        let mut a = [_mm512_setzero_ps(); W];
+        for c in 0..W / 2 {
+            a[c] = _mm512_loadu_ps(acc_t.add((cc + c) * W));
+            a[W / 2 + c] = _mm512_loadu_ps(acc1.add((cc + c) * W));
+            if rescale0 {
+                a[c] = _mm512_mul_ps(a[c], alpha0);
+            }
+            if rescale1 {
+                a[W / 2 + c] = _mm512_mul_ps(a[W / 2 + c], alpha1);
+            }
+        }
+        for jp in 0..t0.njp {
+            let (pa, pb) = (bh(pp0[jp]), bh(pp1[jp]));
+            let v = t0.vp.add(jp * D + cc);
+            for c in 0..W / 2 {
+                let vv = bh(_mm512_set1_epi32(*v.add(c) as i32));
+                a[c] = _mm512_dpbf16_ps(a[c], vv, pa);
+                a[W / 2 + c] = _mm512_dpbf16_ps(a[W / 2 + c], vv, pb);
+            }
+        }
+        for c in 0..W / 2 {
+            _mm512_storeu_ps(acc_t.add((cc + c) * W), a[c]);
+            _mm512_storeu_ps(acc1.add((cc + c) * W), a[W / 2 + c]);
+        }
+        cc += W / 2;
+    }
+}
+
+/// The online softmax of one block's scores `s` (one vector per key, lanes = rows): scale,
+/// soft cap, ALiBi and masks applied, `m` and `l` updated in place; returns P as bf16 key pairs
+/// (V scales applied), the rescale factor of the accumulator and whether any lane needs it.
+#[inline(always)]
+unsafe fn softmax(
+    t: &Tile,
+    mut s: [__m512; W],
+    m: *mut f32,
+    l: *mut f32,
+) -> ([__m512i; W / 2], __m512, bool) {
     let qs = _mm512_set1_ps(t.qs);
     for j in 0..W {
         s[j] = _mm512_mul_ps(s[j], qs);
@@ -183,28 +311,7 @@ pub unsafe fn block<const D: usize>(
             _mm512_slli_epi32::<16>(bf16_low(e[2 * jp + 1])),
         );
     }
-    // P.V on the transposed accumulator, 16 columns at a time.
-    let mut cc = 0;
-    while cc < d {
-        let mut a = [_mm512_setzero_ps(); W];
-        for c in 0..W {
-            a[c] = _mm512_loadu_ps(acc_t.add((cc + c) * W));
-            if rescale {
-                a[c] = _mm512_mul_ps(a[c], alpha);
-            }
-        }
-        for jp in 0..t.njp {
-            let p = bh(pp[jp]);
-            let v = t.vp.add(jp * d + cc);
-            for c in 0..W {
-                a[c] = _mm512_dpbf16_ps(a[c], bh(_mm512_set1_epi32(*v.add(c) as i32)), p);
-            }
-        }
-        for c in 0..W {
-            _mm512_storeu_ps(acc_t.add((cc + c) * W), a[c]);
-        }
-        cc += W;
-    }
+    (pp, alpha, rescale)
 }
 
 /// The key mask (`masks[token]`, 16 bits) of each row of block `b`, a row being token

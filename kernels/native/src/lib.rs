@@ -80,22 +80,43 @@ fn pick_isa(isa: u8) -> (bool, bool) {
     (avx512, !avx512 && isa != ISA_PORTABLE && has_avx2())
 }
 
-type ItemFn = unsafe fn(&Call, usize, (usize, usize), &mut [f32]);
+/// (item, its KV heads) of the task a thread runs next, where known
+type Next = Option<(usize, (usize, usize))>;
 
-unsafe fn item_portable<const F: u8>(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
-    run_item::<Portable, F>(c, item, heads, s)
+type ItemFn = unsafe fn(&Call, usize, (usize, usize), Next, &mut [f32]);
+
+unsafe fn item_portable<const F: u8>(
+    c: &Call,
+    item: usize,
+    heads: (usize, usize),
+    n: Next,
+    s: &mut [f32],
+) {
+    run_item::<Portable, F>(c, item, heads, n, s)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn item_avx2<const F: u8>(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
-    run_item::<avx2::Avx2, F>(c, item, heads, s)
+unsafe fn item_avx2<const F: u8>(
+    c: &Call,
+    item: usize,
+    heads: (usize, usize),
+    n: Next,
+    s: &mut [f32],
+) {
+    run_item::<avx2::Avx2, F>(c, item, heads, n, s)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma")]
-unsafe fn item_avx512<const F: u8>(c: &Call, item: usize, heads: (usize, usize), s: &mut [f32]) {
-    run_item::<simd::Avx512<false>, F>(c, item, heads, s)
+unsafe fn item_avx512<const F: u8>(
+    c: &Call,
+    item: usize,
+    heads: (usize, usize),
+    n: Next,
+    s: &mut [f32],
+) {
+    run_item::<simd::Avx512<false>, F>(c, item, heads, n, s)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -104,9 +125,10 @@ unsafe fn item_avx512_bf16<const F: u8>(
     c: &Call,
     item: usize,
     heads: (usize, usize),
+    n: Next,
     s: &mut [f32],
 ) {
-    run_item::<simd::Avx512<true>, F>(c, item, heads, s)
+    run_item::<simd::Avx512<true>, F>(c, item, heads, n, s)
 }
 
 /// Whether bf16 caches take the AVX-512 BF16 dot-product path (`KVCORE_NATIVE_NO_DPBF16` unset).
@@ -182,14 +204,20 @@ pub unsafe fn run(
     let hpt = if fuse_heads { hk } else { 1 }; // KV heads per task
     let per_item = hk / hpt;
     let need = scratch_len(max_rows / hk * hpt, c.head_dim, hpt);
-    pool::for_each(num_items * per_item, threads, mode, &|t| {
+    let task = |t: usize| {
+        (
+            t / per_item,
+            ((t % per_item) * hpt, (t % per_item) * hpt + hpt),
+        )
+    };
+    pool::for_each_ahead(num_items * per_item, threads, mode, &|t, next| {
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
             if s.len() < need {
                 s.resize(need, 0.0);
             }
-            let h0 = (t % per_item) * hpt;
-            unsafe { f(c, t / per_item, (h0, h0 + hpt), &mut s[..need]) };
+            let (item, heads) = task(t);
+            unsafe { f(c, item, heads, next.map(task), &mut s[..need]) };
         })
     })?;
     if num_merges > 0 {
@@ -263,8 +291,10 @@ pub unsafe fn run_linear(
     }
     let per = c.panels_per_task();
     let panels = c.panels();
-    pool::for_each(panels.div_ceil(per), threads, mode, &|t| unsafe {
-        linear::run_panels(c, t * per, ((t + 1) * per).min(panels), portable)
+    let range = |t: usize| (t * per, ((t + 1) * per).min(panels));
+    pool::for_each_ahead(panels.div_ceil(per), threads, mode, &|t, next| unsafe {
+        let (lo, hi) = range(t);
+        linear::run_panels(c, lo, hi, next.map(range), portable)
     })
 }
 

@@ -149,7 +149,13 @@ pub mod avx512 {
 
     /// `R` rows starting at `m0` of `P` adjacent panels from `p` (`2 P` columns of 16 each).
     #[inline(always)]
-    unsafe fn chunk<const R: usize, const P: usize>(c: &Linear, p: usize, m0: usize, pf: bool) {
+    unsafe fn chunk<const R: usize, const P: usize>(
+        c: &Linear,
+        p: usize,
+        m0: usize,
+        pf: bool,
+        nx: (*const u8, usize),
+    ) {
         let kp_n = c.k / 2;
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
         let mut x = [std::ptr::null::<u16>(); R];
@@ -158,8 +164,14 @@ pub mod avx512 {
         }
         let panel = c.w.add(p * kp_n * NB);
         let stride = kp_n * NB; // dwords from one panel to the next
+                                // the next panels' lines this chunk asks for (into L2), a few per `kp`
+        let (nx_ptr, nx_lines) = nx;
+        let nx_per = nx_lines.div_ceil(kp_n);
         for kp in 0..kp_n {
             let row = panel.add(kp * NB);
+            for l in kp * nx_per..((kp + 1) * nx_per).min(nx_lines) {
+                _mm_prefetch::<_MM_HINT_T1>(nx_ptr.add(64 * l) as *const i8);
+            }
             let mut w = [_mm512_setzero_si512(); 4];
             for q in 0..P {
                 let rq = row.add(q * stride);
@@ -252,41 +264,78 @@ pub mod avx512 {
     /// stream is the bound), two at a time in chunks of `MR2` rows above that (fewer loads
     /// per dot product: the instructions are the bound).
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
-    pub unsafe fn run_panels(c: &Linear, lo: usize, hi: usize) {
+    pub unsafe fn run_panels(c: &Linear, lo: usize, hi: usize, next: Option<(usize, usize)>) {
+        let kp_n = c.k / 2;
+        let panel_lines = kp_n * NB * 4 / 64;
         let mut p = lo;
         while p < hi {
             let two = (c.rows > MR || c.glu) && p + 1 < hi; // gated: always a gate / up pair
+            let step = if two { 2 } else { 1 };
+            let rows_per = if two { MR2 } else { MR };
+            // The panels after these (this task's, else the next task's): their lines are
+            // asked for across this step's later chunks, which read their panels from L2 and
+            // leave the memory idle; the first chunk then finds them in L2 too.
+            let (n_lo, n_hi) = if p + step < hi {
+                (p + step, (p + 2 * step).min(hi))
+            } else {
+                next.unwrap_or((0, 0))
+            };
+            let n_hi = n_hi.min(n_lo + step);
+            let chunks = c.rows.div_ceil(rows_per);
+            let nx_total = if chunks > 1 && pf_next() {
+                (n_hi - n_lo) * panel_lines
+            } else {
+                0
+            };
+            let nx_base = c.w.add(n_lo * kp_n * NB) as *const u8;
             let mut m0 = 0;
+            let mut ci = 0;
             while m0 < c.rows {
                 let pf = m0 == 0; // later chunks find the panel in L1/L2
+                let nx = if ci == 0 || nx_total == 0 {
+                    (nx_base, 0)
+                } else {
+                    let (a, b) = (
+                        (ci - 1) * nx_total / (chunks - 1),
+                        ci * nx_total / (chunks - 1),
+                    );
+                    (nx_base.add(64 * a), b - a)
+                };
+                ci += 1;
                 if two {
                     let r = MR2.min(c.rows - m0);
                     match r {
-                        1 => chunk::<1, 2>(c, p, m0, pf),
-                        2 => chunk::<2, 2>(c, p, m0, pf),
-                        3 => chunk::<3, 2>(c, p, m0, pf),
-                        4 => chunk::<4, 2>(c, p, m0, pf),
-                        5 => chunk::<5, 2>(c, p, m0, pf),
-                        _ => chunk::<6, 2>(c, p, m0, pf),
+                        1 => chunk::<1, 2>(c, p, m0, pf, nx),
+                        2 => chunk::<2, 2>(c, p, m0, pf, nx),
+                        3 => chunk::<3, 2>(c, p, m0, pf, nx),
+                        4 => chunk::<4, 2>(c, p, m0, pf, nx),
+                        5 => chunk::<5, 2>(c, p, m0, pf, nx),
+                        _ => chunk::<6, 2>(c, p, m0, pf, nx),
                     }
                     m0 += r;
                 } else {
                     let r = MR.min(c.rows - m0);
                     match r {
-                        1 => chunk::<1, 1>(c, p, m0, pf),
-                        2 => chunk::<2, 1>(c, p, m0, pf),
-                        3 => chunk::<3, 1>(c, p, m0, pf),
-                        4 => chunk::<4, 1>(c, p, m0, pf),
-                        5 => chunk::<5, 1>(c, p, m0, pf),
-                        6 => chunk::<6, 1>(c, p, m0, pf),
-                        7 => chunk::<7, 1>(c, p, m0, pf),
-                        _ => chunk::<8, 1>(c, p, m0, pf),
+                        1 => chunk::<1, 1>(c, p, m0, pf, nx),
+                        2 => chunk::<2, 1>(c, p, m0, pf, nx),
+                        3 => chunk::<3, 1>(c, p, m0, pf, nx),
+                        4 => chunk::<4, 1>(c, p, m0, pf, nx),
+                        5 => chunk::<5, 1>(c, p, m0, pf, nx),
+                        6 => chunk::<6, 1>(c, p, m0, pf, nx),
+                        7 => chunk::<7, 1>(c, p, m0, pf, nx),
+                        _ => chunk::<8, 1>(c, p, m0, pf, nx),
                     }
                     m0 += r;
                 }
             }
-            p += if two { 2 } else { 1 };
+            p += step;
         }
+    }
+
+    /// Whether the next panels are prefetched (`KVCORE_LINEAR_PREFETCH_NEXT=0` turns it off).
+    fn pf_next() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("KVCORE_LINEAR_PREFETCH_NEXT").map_or(true, |v| v != "0"))
     }
 }
 
@@ -613,10 +662,16 @@ pub fn has_avx2_path() -> bool {
 
 /// Panels `lo .. hi` on the fast path where the CPU has it (AVX-512 BF16, or AVX2 for plain
 /// panels), unless `portable`.
-pub unsafe fn run_panels(c: &Linear, lo: usize, hi: usize, portable: bool) {
+pub unsafe fn run_panels(
+    c: &Linear,
+    lo: usize,
+    hi: usize,
+    next: Option<(usize, usize)>,
+    portable: bool,
+) {
     #[cfg(target_arch = "x86_64")]
     if !portable && has_fast_path() {
-        return avx512::run_panels(c, lo, hi);
+        return avx512::run_panels(c, lo, hi, next);
     }
     #[cfg(target_arch = "x86_64")]
     if !portable && !c.glu && has_avx2_path() {
@@ -698,7 +753,7 @@ mod tests {
                         out[rows * n] = 0xabcd; // guard: never written
                         let b = if with_bias { Some(&bias[..]) } else { None };
                         let c = plain(&x, rows, k, &packed, n, b, &mut out);
-                        unsafe { run_panels(&c, 0, c.panels(), portable) };
+                        unsafe { run_panels(&c, 0, c.panels(), None, portable) };
                         assert_eq!(out[rows * n], 0xabcd);
                         for m in 0..rows {
                             for j in 0..n {
@@ -811,7 +866,7 @@ mod tests {
                         out_stride: i_out,
                         glu: true,
                     };
-                    unsafe { run_panels(&c, 0, c.panels(), portable) };
+                    unsafe { run_panels(&c, 0, c.panels(), None, portable) };
                     assert_eq!(out[rows * i_out], 0xabcd);
                     for m in 0..rows {
                         for j in 0..i_out {

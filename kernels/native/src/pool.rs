@@ -41,20 +41,30 @@ pub fn has_gomp() -> bool {
 struct Region<'a> {
     next: AtomicUsize,
     n: usize,
+    /// claim ahead: a thread claims its next task before running the current one, once at
+    /// least this many unclaimed tasks remain (0: never)
+    ahead_min: usize,
     panicked: AtomicBool,
-    f: &'a (dyn Fn(usize) + Sync),
+    f: &'a (dyn Fn(usize, Option<usize>) + Sync),
 }
 
 impl Region<'_> {
     fn drain(&self) {
-        loop {
+        let claim = || {
             let i = self.next.fetch_add(1, Ordering::Relaxed);
-            if i >= self.n {
-                return;
-            }
-            if catch_unwind(AssertUnwindSafe(|| (self.f)(i))).is_err() {
+            (i < self.n).then_some(i)
+        };
+        let mut cur = claim();
+        while let Some(i) = cur {
+            // Claim the next task now (so this one can prefetch its data) only while enough
+            // remain that holding one back cannot idle another thread at the end.
+            let ahead = self.ahead_min > 0
+                && self.n.saturating_sub(self.next.load(Ordering::Relaxed)) >= self.ahead_min;
+            let next = if ahead { claim() } else { None };
+            if catch_unwind(AssertUnwindSafe(|| (self.f)(i, next))).is_err() {
                 self.panicked.store(true, Ordering::Relaxed);
             }
+            cur = if ahead { next } else { claim() };
         }
     }
 }
@@ -92,10 +102,38 @@ pub fn for_each(
     mode: Mode,
     f: &(dyn Fn(usize) + Sync),
 ) -> Result<(), ()> {
+    region(n, threads, mode, false, &|i, _| f(i))
+}
+
+/// `for_each`, each task told the task its thread runs next (`f(i, Some(j))`), where known: a
+/// thread claims its next task before it runs the current one while at least `2 * threads`
+/// tasks are unclaimed (so that at the end no thread idles while another holds a task back).
+/// The task can then prefetch the next one's data as it ends.
+pub fn for_each_ahead(
+    n: usize,
+    threads: usize,
+    mode: Mode,
+    f: &(dyn Fn(usize, Option<usize>) + Sync),
+) -> Result<(), ()> {
+    region(n, threads, mode, true, f)
+}
+
+fn region(
+    n: usize,
+    threads: usize,
+    mode: Mode,
+    ahead: bool,
+    f: &(dyn Fn(usize, Option<usize>) + Sync),
+) -> Result<(), ()> {
     let threads = threads.clamp(1, n.max(1));
     let region = Region {
         next: AtomicUsize::new(0),
         n,
+        ahead_min: match (ahead, threads) {
+            (false, _) => 0,
+            (true, 1) => 1,
+            (true, t) => 2 * t,
+        },
         panicked: AtomicBool::new(false),
         f,
     };
@@ -144,6 +182,39 @@ mod tests {
                 hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
                 "{mode:?}"
             );
+        }
+    }
+
+    #[test]
+    fn claimed_ahead_every_task_runs_once_and_next_is_what_runs_next() {
+        for mode in [Mode::Single, Mode::Rayon, Mode::Omp] {
+            for threads in [1, 2, 3] {
+                let n = 50;
+                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                // per task: the thread that ran it, and the task it was told comes next
+                let told: Vec<Mutex<Option<(std::thread::ThreadId, usize)>>> =
+                    (0..n).map(|_| Mutex::new(None)).collect();
+                let ran: Vec<Mutex<Option<std::thread::ThreadId>>> =
+                    (0..n).map(|_| Mutex::new(None)).collect();
+                for_each_ahead(n, threads, mode, &|i, next| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                    let me = std::thread::current().id();
+                    *ran[i].lock().unwrap() = Some(me);
+                    if let Some(j) = next {
+                        *told[i].lock().unwrap() = Some((me, j));
+                    }
+                })
+                .unwrap();
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+                let mut ahead = 0;
+                for t in &told {
+                    if let Some((me, j)) = *t.lock().unwrap() {
+                        assert_eq!(*ran[j].lock().unwrap(), Some(me), "{mode:?} {threads}");
+                        ahead += 1;
+                    }
+                }
+                assert!(ahead >= n - 2 * threads - 1, "{mode:?} {threads}: {ahead}");
+            }
         }
     }
 

@@ -123,6 +123,7 @@ fn paged_attention(
         work: work as *const i64,
         merges: merges as *const i64,
         partial: partial as *mut f32,
+        prefetch_next: prefetch_next(),
     };
     let res = py.detach(|| unsafe {
         crate::run(
@@ -130,6 +131,13 @@ fn paged_attention(
         )
     });
     res.map_err(|_| PyRuntimeError::new_err("native paged attention panicked"))
+}
+
+/// Whether an attention item prefetches the next one's first keys (`KVCORE_NATIVE_PREFETCH_NEXT=0`
+/// turns it off; read once).
+fn prefetch_next() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KVCORE_NATIVE_PREFETCH_NEXT").map_or(true, |v| v != "0"))
 }
 
 /// Write K/V rows into their cache slots (`crate::store`); returns the rows stored. Raises
