@@ -2,10 +2,10 @@
 
 The kernel (``kernels/native/src``) reads K and V in place through the block table: no gather,
 no padding to zero. Its unit of work (one task) is an *item*: one request, a run of up to
-``ITEM_ROWS // group`` of its query tokens, and a key range, for every KV head in turn over each
-tile of 16 keys (a token's heads are adjacent in the cache, so an item streams through its blocks
-once), with all the query heads of a KV head as rows of one online softmax: each K/V row is read
-once per item.
+``PREFILL_ITEM_ROWS // group`` of its query tokens, and a key range, for every KV head in turn
+over each tile of 16 keys (a token's heads are adjacent in the cache, so an item streams through
+its blocks once), with all the query heads of a KV head as rows of one online softmax: each K/V
+row is read once per item.
 When a step has too few items to keep the threads busy (batch 1, long context), an item's key
 range is cut into splits whose partial results a second pass merges (flash-decoding)::
 
@@ -50,7 +50,12 @@ import torch
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
 
-ITEM_ROWS = 48  # query rows (tokens x GQA group) per item: the scratch stays in L1/L2
+ITEM_ROWS = 48  # query rows (tokens x GQA group) of a cascade item: the scratch stays in L1/L2
+# Query rows of an item of a prefill chunk (at most 256 tokens: the kernel's per-item limit).
+# Larger items share each K/V tile's set-up (block-table walk, K conversion, V re-lay, masks)
+# over more 16-row blocks: 1 x 256 / 1K prefill, one thread, AVX-512 BF16 (Zen 4), 48 -> 192
+# rows: 0.77 -> 0.65 ms, 10.6 -> 8.9-9.4 ms (benches/bench_attention.py --sweep); AVX2 alike.
+PREFILL_ITEM_ROWS = 192
 TASKS_PER_THREAD = 4  # split long key ranges until a step has this many tasks per thread
 MIN_SPLIT_KEYS = 512  # ... but never into splits shorter than this
 MAX_SPLITS = 64
@@ -250,7 +255,7 @@ def _build(
     qsl, lens = meta.host_query_start_loc, meta.host_seq_lens
     q_lens = np.diff(qsl)
     ctx = lens - q_lens
-    per_item = max(1, ITEM_ROWS // group)
+    per_item = min(256, max(1, PREFILL_ITEM_ROWS // group))
     reqs = np.flatnonzero(q_lens > 0)
     n_chunks = -(-q_lens[reqs] // per_item)
     req = np.repeat(reqs, n_chunks)

@@ -338,12 +338,13 @@ def test_cascade_switch_gives_the_same_answer(gen, monkeypatch):
 @pytest.mark.parametrize("feature", ["plain", "window", "soft_cap", "alibi"])
 def test_prefill_row_blocks_match_twin(heads, fmt, feature, gen, path):
     """bf16 prefill chunks with >= 16 rows per KV head take the transposed path (blocks of 16
-    rows, a partial last block, queries starting mid-block, causal tiles cut by the diagonal)
-    on AVX-512 BF16: the twin's answer with every feature and quantized format."""
+    rows, a partial last block, queries starting mid-block, causal tiles cut by the diagonal,
+    a chunk cut into several items of ``PREFILL_ITEM_ROWS`` rows and a last short one) on
+    AVX-512 BF16: the twin's answer with every feature and quantized format."""
     hq, hk = heads
     dtype, bs, d = torch.bfloat16, 16, 64
-    b = make_batch(gen, [(70, 37), (0, 1), (5, 23), (300, 1)], block_size=bs, num_q_heads=hq,
-                   num_kv_heads=hk, head_dim=d, dtype=dtype)  # fmt: skip
+    b = make_batch(gen, [(70, 37), (0, 1), (5, 23), (300, 1), (9, 211)], block_size=bs,
+                   num_q_heads=hq, num_kv_heads=hk, head_dim=d, dtype=dtype)  # fmt: skip
     cache = _quantized(b, fmt) if fmt else b.kv_cache
     meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, bs)
     feats = {

@@ -1004,8 +1004,27 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     ((tok0 + i) * c.out_stride_tok + (hh * g + gg) * c.out_stride_head)
                         * c.dt.size(),
                 );
-                for e in 0..d {
-                    c.dt.write(dst, e, acc[r * d + e] * inv);
+                // A vector at a time for fp32 and bf16 (a scalar write with its dtype match
+                // per element was ~5 % of a 256-token prefill).
+                let (ar, sv) = (acc.as_ptr().add(r * d), S::splat(inv));
+                match c.dt {
+                    Dt::F32 => {
+                        for cc in 0..nc {
+                            let v = S::load(ar.add(cc * W)).mul(sv);
+                            v.store((dst as *mut f32).add(cc * W));
+                        }
+                    }
+                    Dt::Bf16 => {
+                        for cc in 0..nc {
+                            let v = S::load(ar.add(cc * W)).mul(sv);
+                            v.store_bf16((dst as *mut u16).add(cc * W));
+                        }
+                    }
+                    _ => {
+                        for e in 0..d {
+                            c.dt.write(dst, e, acc[r * d + e] * inv);
+                        }
+                    }
                 }
             }
         }
