@@ -167,6 +167,22 @@ def test_thread_modes_and_splits_agree(mode, fuse_heads, monkeypatch, gen):
     _compare(native, twin, torch.float32)
 
 
+@pytest.mark.parametrize(
+    ("q_lens", "threads", "tokens"),
+    [([256], 1, [64] * 4), ([256], 2, [64] * 4), ([64], 2, [64]), ([100], 2, [64, 36]),
+     ([1, 70], 1, [1, 64, 6])],
+)  # fmt: skip
+def test_prefill_chunks_are_cut_into_items_of_prefill_item_rows(q_lens, threads, tokens, gen):
+    """A prefill chunk is cut into items of ``PREFILL_ITEM_ROWS`` query rows (64 tokens at GQA
+    9/3) and a last short one, whatever the thread count; every token is in one item."""
+    b = make_batch(gen, [(5, n) for n in q_lens], block_size=16, num_q_heads=9, num_kv_heads=3,
+                   head_dim=64, dtype=torch.bfloat16)  # fmt: skip
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 16)
+    work = cpu_native.work_for(meta, None, 3, 3, 64, threads, fuse=False).work
+    assert sorted(work[:, 2].tolist()) == sorted(tokens)
+    assert cpu_native.PREFILL_ITEM_ROWS // 3 == 64
+
+
 @pytest.mark.parametrize("window", [None, 40])
 def test_released_blocks_get_no_weight_and_are_not_read(window, gen, path):
     """Null entries inside a sequence (retention): the twin's answer, the null block unread."""
