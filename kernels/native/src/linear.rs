@@ -164,7 +164,7 @@ pub mod avx512 {
         }
         let panel = c.w.add(p * kp_n * NB);
         let stride = kp_n * NB; // dwords from one panel to the next
-                                // the next panels' lines this chunk asks for (into L2), a few per `kp`
+        // the next panels' lines this chunk asks for (into L2), a few per `kp`
         let (nx_ptr, nx_lines) = nx;
         let nx_per = nx_lines.div_ceil(kp_n);
         for kp in 0..kp_n {
