@@ -163,9 +163,9 @@ pub mod avx512 {
             x[r] = c.x.add((m0 + r) * c.x_stride);
         }
         let panel = c.w.add(p * kp_n * NB);
-        let stride = kp_n * NB; // dwords from one panel to the next
         // the next panels' lines this chunk asks for (into L2), a few per `kp`
         let (nx_ptr, nx_lines) = nx;
+        let stride = kp_n * NB; // dwords from one panel to the next
         let nx_per = nx_lines.div_ceil(kp_n);
         for kp in 0..kp_n {
             let row = panel.add(kp * NB);
