@@ -84,7 +84,8 @@ class Options:
 
     mode: str = os.environ.get("KVCORE_NATIVE_THREADS", "omp")
     portable: bool = os.environ.get("KVCORE_NATIVE_PORTABLE", "") not in ("", "0")
-    isa: str = os.environ.get("KVCORE_NATIVE_ISA", "auto")  # auto | avx2 | portable
+    # auto | avx2 | portable | novnni (the best without the VNNI int8 decode)
+    isa: str = os.environ.get("KVCORE_NATIVE_ISA", "auto")
     split_keys: int | None = None  # tests: split every item into runs of this many keys
     # one task per item for all its KV heads (True), one per KV head (False), or by the code
     # path and format (None: ``fuse_heads_for``)
@@ -100,7 +101,8 @@ class Options:
 
 
 OPTIONS = Options()
-ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2}  # the extension's ISA_BEST / _PORTABLE / _AVX2
+# the extension's ISA_BEST / _PORTABLE / _AVX2 / _NO_VNNI
+ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "novnni": 3}
 
 
 def _isa() -> int:
@@ -129,20 +131,20 @@ def fuse_heads_for(fmt: int) -> bool:
     the kernel is bound by its instructions) fused ran 1.8-2.0x a copy's time against 1.4-1.6x."""
     if OPTIONS.fuse_heads is not None:
         return OPTIONS.fuse_heads
-    avx512 = _isa() == ISA_CODES["auto"] and _cpu_has_avx512()
+    avx512 = _isa() in (ISA_CODES["auto"], ISA_CODES["novnni"]) and _cpu_has_avx512()
     return not avx512 and fmt in (FMT_F32, FMT_BF16, FMT_F16)
 
 
 def features() -> dict[str, bool]:
-    """What the extension found: the AVX-512 path, AVX-512 BF16, the AVX2 path, torch's
-    ``GOMP_parallel``."""
+    """What the extension found: the AVX-512 path, AVX-512 BF16, AVX-512 VNNI (the int8 decode),
+    the AVX2 path, torch's ``GOMP_parallel``."""
     if _native is None:
         return {"native": False}
     _bind_openmp()
-    avx512, bf16, amx, gomp, avx2 = _native.features()
+    avx512, bf16, amx, gomp, avx2, vnni = _native.features()
     return {
-        "native": True, "avx512": avx512, "avx512_bf16": bf16, "avx2": avx2, "amx": amx,
-        "omp": gomp,
+        "native": True, "avx512": avx512, "avx512_bf16": bf16, "avx512_vnni": vnni,
+        "avx2": avx2, "amx": amx, "omp": gomp,
     }  # fmt: skip
 
 

@@ -147,6 +147,47 @@ def test_quantized_decode_tiles_match_twin(fmt, block_size, gen, path):
     _compare(native, twin, torch.bfloat16)
 
 
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    heads=st.sampled_from([(3, 3), (9, 3), (8, 2), (16, 2), (6, 1)]),
+    head_dim=st.sampled_from([64, 128, 256]),
+    block_size=st.sampled_from([8, 16, 32, 64]),
+    ctx=st.lists(st.integers(0, 700), min_size=1, max_size=5),
+    ntok=st.sampled_from([1, 1, 2]),
+    window=st.one_of(st.none(), st.integers(1, 300)),
+    soft_cap=st.one_of(st.none(), st.floats(1.0, 30.0)),
+    alibi=st.booleans(),
+    split_keys=st.sampled_from([None, 48]),
+    isa=st.sampled_from(["auto", "novnni"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_int8_decode_matches_twin_on_both_avx512_paths(
+    heads, head_dim, block_size, ctx, ntok, window, soft_cap, alibi, split_keys, isa, seed,
+    monkeypatch,
+):  # fmt: skip
+    """bf16 decode over an int8 cache, at most 8 query rows per KV head: with AVX-512 VNNI the
+    scores and P.V are integer dot products of the codes (``isa="auto"``), without it the codes
+    are widened (``"novnni"``); both against the twin, with every feature and forced splits."""
+    feats = cpu_native.features()
+    if not (feats.get("avx512") and feats.get("avx512_bf16")):
+        pytest.skip("no AVX-512 BF16 path on this CPU")
+    monkeypatch.setattr(cpu_native.OPTIONS, "isa", isa)
+    monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", split_keys)
+    gen = torch.Generator().manual_seed(seed)
+    b = make_batch(gen, [(c, ntok) for c in ctx], block_size=block_size, num_q_heads=heads[0],
+                   num_kv_heads=heads[1], head_dim=head_dim, dtype=torch.bfloat16)  # fmt: skip
+    cache = _quantized(b, "int8")
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, block_size)
+    draw = {"window": window, "soft_cap": soft_cap, "alibi": alibi, "seed": seed}
+    options = _features(b, draw)
+    out = torch.full_like(b.query, float("nan"))
+    native = kk.paged_attention(b.query, cache, meta, **options, backend="cpu", out=out)
+    twin = kk.paged_attention(b.query, cache, meta, **options, backend="torch")
+    _compare(native, twin, torch.bfloat16)
+
+
 @pytest.mark.parametrize("fuse_heads", [False, True])
 @pytest.mark.parametrize("mode", ["single", "omp", "rayon"])
 def test_thread_modes_and_splits_agree(mode, fuse_heads, monkeypatch, gen):

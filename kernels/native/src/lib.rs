@@ -5,6 +5,7 @@
 //!
 //! * `attend`: one item (request x KV head x query tokens x key range), the online softmax.
 //! * `cols`: the transposed path of an item with many rows (blocks of 16 rows, AVX-512 BF16).
+//! * `vnni`: int8 decode as integer dot products of the codes (AVX-512 VNNI).
 //! * `simd`: the 16-lane vector type, AVX-512 or portable, chosen at run time here (with
 //!   `avx2`: the same type for AVX2 CPUs without AVX-512).
 //! * `pool`: torch's OpenMP team, a rayon pool or the calling thread.
@@ -30,6 +31,7 @@ pub mod ops;
 pub mod pool;
 pub mod simd;
 pub mod store;
+pub mod vnni;
 
 use attend::{run_item, scratch_len, Call};
 use simd::Portable;
@@ -56,10 +58,12 @@ pub fn has_avx512() -> bool {
 }
 
 /// Which instance runs (`isa` of `run`, `run_ops`): the best this CPU has (AVX-512, else AVX2,
-/// else portable), the portable one, or at most AVX2 (tests run every path on one CPU).
+/// else portable), the portable one, at most AVX2, or the best without the VNNI int8 decode
+/// (tests run every path on one CPU).
 pub const ISA_BEST: u8 = 0;
 pub const ISA_PORTABLE: u8 = 1;
 pub const ISA_AVX2: u8 = 2;
+pub const ISA_NO_VNNI: u8 = 3;
 
 /// Whether this CPU has AVX2, FMA and F16C (the `avx2::Avx2` instance).
 pub fn has_avx2() -> bool {
@@ -76,7 +80,7 @@ pub fn has_avx2() -> bool {
 
 /// (AVX-512, AVX2) as `isa` allows on this CPU: at most one is true.
 fn pick_isa(isa: u8) -> (bool, bool) {
-    let avx512 = isa == ISA_BEST && has_avx512();
+    let avx512 = (isa == ISA_BEST || isa == ISA_NO_VNNI) && has_avx512();
     (avx512, !avx512 && isa != ISA_PORTABLE && has_avx2())
 }
 
@@ -131,6 +135,30 @@ unsafe fn item_avx512_bf16<const F: u8>(
     run_item::<simd::Avx512<true>, F>(c, item, heads, n, s)
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni,f16c,fma")]
+unsafe fn item_avx512_vnni<const F: u8>(
+    c: &Call,
+    item: usize,
+    heads: (usize, usize),
+    n: Next,
+    s: &mut [f32],
+) {
+    run_item::<simd::Avx512<true, true>, F>(c, item, heads, n, s)
+}
+
+/// Whether this CPU has AVX-512 VNNI (int8 decode by integer dot products, `vnni.rs`).
+pub fn has_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Whether bf16 caches take the AVX-512 BF16 dot-product path (`KVCORE_NATIVE_NO_DPBF16` unset).
 pub fn use_dpbf16() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -166,6 +194,7 @@ fn item_fn(fmt: attend::Fmt, isa: u8) -> ItemFn {
         if use_dpbf16() {
             match fmt {
                 attend::Fmt::Bf16 => return item_avx512_bf16::<1>,
+                attend::Fmt::I8 if isa != ISA_NO_VNNI && has_vnni() => return item_avx512_vnni::<3>,
                 attend::Fmt::I8 => return item_avx512_bf16::<3>,
                 attend::Fmt::E4m3 => return item_avx512_bf16::<4>,
                 attend::Fmt::E5m2 => return item_avx512_bf16::<5>,

@@ -190,9 +190,10 @@ fn store_kv(
     Ok(py.detach(|| unsafe { crate::store::store(&s, slots) }))
 }
 
-/// `isa` checked: 0 the best instance, 1 portable, 2 at most AVX2 (`crate::ISA_*`).
+/// `isa` checked: 0 the best instance, 1 portable, 2 at most AVX2, 3 the best without the VNNI
+/// int8 decode (`crate::ISA_*`).
 fn isa_of(isa: u8) -> PyResult<u8> {
-    if isa > crate::ISA_AVX2 {
+    if isa > crate::ISA_NO_VNNI {
         return Err(PyValueError::new_err(format!(
             "unknown instruction-set code {isa}"
         )));
@@ -340,9 +341,9 @@ fn set_gomp_parallel(addr: usize) {
 }
 
 /// (avx512 path available, avx512_bf16, amx (not detected: unstable in Rust), GOMP_parallel set,
-/// avx2 path available)
+/// avx2 path available, avx512_vnni)
 #[pyfunction]
-fn features() -> (bool, bool, bool, bool, bool) {
+fn features() -> (bool, bool, bool, bool, bool, bool) {
     #[cfg(target_arch = "x86_64")]
     let (bf16, amx) = (is_x86_feature_detected!("avx512bf16"), false);
     #[cfg(not(target_arch = "x86_64"))]
@@ -353,6 +354,7 @@ fn features() -> (bool, bool, bool, bool, bool) {
         amx,
         pool::has_gomp(),
         crate::has_avx2(),
+        crate::has_avx512() && crate::has_vnni(),
     )
 }
 

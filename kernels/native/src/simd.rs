@@ -47,6 +47,8 @@ pub trait Simd: Copy {
     const QK_TWO_CHAINS: bool = true;
     /// Whether the bf16-pair methods below are implemented (AVX-512 BF16 dot products).
     const DPBF16: bool = false;
+    /// int8 decode by integer dot products (`vnni.rs`; AVX-512 VNNI, the caller compiled with it).
+    const VNNI: bool = false;
     /// Whether `qk_direct` is implemented (AVX2: decode scores without the K tile's transpose).
     const QK_DIRECT: bool = false;
     /// `p[x][j] = q[x] . K[j]` for `NR` rows and keys `j < nk`, K rows of format `F` (fp32,
@@ -382,9 +384,9 @@ mod avx {
 
     /// The AVX-512 instance (needs avx512f/bw/dq/vl; checked in `lib.rs`); `BF`: the CPU has
     /// AVX-512 BF16 too, and the caller was compiled with it (bf16 K rows dotted without
-    /// widening).
+    /// widening); `VN`: AVX-512 VNNI as well (int8 decode in `vnni.rs`).
     #[derive(Clone, Copy)]
-    pub struct Avx512<const BF: bool>(pub __m512);
+    pub struct Avx512<const BF: bool, const VN: bool = false>(pub __m512);
 
     /// The bf16 nearest each lane (ties to even; NaN made quiet, as `f32_to_bf16`) in the high
     /// 16 bits of each dword, the low 16 bits zero.
@@ -468,8 +470,9 @@ mod avx {
         }
     }
 
-    impl<const BF: bool> Simd for Avx512<BF> {
+    impl<const BF: bool, const VN: bool> Simd for Avx512<BF, VN> {
         const DPBF16: bool = BF;
+        const VNNI: bool = VN;
         #[inline(always)]
         unsafe fn store_bf16x2(lo: Self, hi: Self, p: *mut u16) {
             let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi.0, lo.0));
