@@ -148,7 +148,7 @@ def test_quantized_decode_tiles_match_twin(fmt, block_size, gen, path):
 
 
 @settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     heads=st.sampled_from([(3, 3), (9, 3), (8, 2), (16, 2), (6, 1)]),
@@ -161,15 +161,17 @@ def test_quantized_decode_tiles_match_twin(fmt, block_size, gen, path):
     alibi=st.booleans(),
     split_keys=st.sampled_from([None, 48]),
     isa=st.sampled_from(["auto", "novnni"]),
+    fmt=st.sampled_from(["int8", "fp8_e4m3", "fp8_e5m2"]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_int8_decode_matches_twin_on_both_avx512_paths(
-    heads, head_dim, block_size, ctx, ntok, window, soft_cap, alibi, split_keys, isa, seed,
+def test_quantized_decode_matches_twin_on_both_avx512_paths(
+    heads, head_dim, block_size, ctx, ntok, window, soft_cap, alibi, split_keys, isa, fmt, seed,
     monkeypatch,
 ):  # fmt: skip
-    """bf16 decode over an int8 cache, at most 8 query rows per KV head: with AVX-512 VNNI the
-    scores and P.V are integer dot products of the codes (``isa="auto"``), without it the codes
-    are widened (``"novnni"``); both against the twin, with every feature and forced splits."""
+    """bf16 decode over an int8 / fp8 cache, few query rows per KV head: with AVX-512 VNNI and
+    VBMI (``isa="auto"``) int8 scores and P.V are integer dot products of the codes (up to 8
+    rows) and fp8 rows are converted by table lookups (up to 4 rows); without them
+    (``"novnni"``) the codes are widened; both against the twin, every feature, forced splits."""
     feats = cpu_native.features()
     if not (feats.get("avx512") and feats.get("avx512_bf16")):
         pytest.skip("no AVX-512 BF16 path on this CPU")
@@ -178,7 +180,7 @@ def test_int8_decode_matches_twin_on_both_avx512_paths(
     gen = torch.Generator().manual_seed(seed)
     b = make_batch(gen, [(c, ntok) for c in ctx], block_size=block_size, num_q_heads=heads[0],
                    num_kv_heads=heads[1], head_dim=head_dim, dtype=torch.bfloat16)  # fmt: skip
-    cache = _quantized(b, "int8")
+    cache = _quantized(b, fmt)
     meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, block_size)
     draw = {"window": window, "soft_cap": soft_cap, "alibi": alibi, "seed": seed}
     options = _features(b, draw)

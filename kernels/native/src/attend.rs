@@ -515,6 +515,18 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     #[cfg(not(target_arch = "x86_64"))]
     let vnni = false;
     let (q8h, q8l) = (qb as *mut i8, (qb as *mut i8).add(rows * d));
+    // fp8 decode with AVX-512 VBMI: K and V rows converted to bf16 by table, V paired in
+    // registers (`vnni::fp8_*`); query pairs re-ordered to the K tile's, accumulator permuted.
+    #[cfg(target_arch = "x86_64")]
+    let fp8dec = S::VNNI && dpbf16 && (F == 4 || F == 5) && !cols && hrows <= 4 && d % 64 == 0;
+    #[cfg(not(target_arch = "x86_64"))]
+    let fp8dec = false;
+    #[cfg(target_arch = "x86_64")]
+    let lut = if fp8dec {
+        Some(crate::vnni::fp8_lut(F == 5))
+    } else {
+        None
+    };
     let nblk = if cols { hrows.div_ceil(W) } else { 0 };
     let prow = (h1 - h0) * nblk * W;
     let (acc_t, rest) = rest.split_at_mut(prow * d); // [head][block][d][16]
@@ -556,6 +568,13 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     ));
                 } else if dpbf16 {
                     std::ptr::copy_nonoverlapping(row as *const u16, qb.add(r * d), d);
+                    #[cfg(target_arch = "x86_64")]
+                    if fp8dec {
+                        crate::vnni::fp8_permute_q_pairs(std::slice::from_raw_parts_mut(
+                            qb.add(r * d) as *mut u32,
+                            d / 2,
+                        ));
+                    }
                 }
                 if direct && F == 1 {
                     evenodd_row(dst);
@@ -845,7 +864,11 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 // kp[dp][j] = (K[j][2 dp], K[j][2 dp + 1]), then broadcast dot products. An
                 // int8 / fp8 row is converted to bf16 in registers on the way in.
                 let kp = kt.as_mut_ptr() as *mut u32; // kt is free on this path
-                for c2 in 0..d / (2 * W) {
+                #[cfg(target_arch = "x86_64")]
+                if let Some(l) = &lut {
+                    crate::vnni::fp8_k_pairs(l, &kptr, d, kp, kb);
+                }
+                for c2 in 0..if fp8dec { 0 } else { d / (2 * W) } {
                     let mut tile = [S::splat(0.0); W];
                     for (t, &kr) in tile.iter_mut().zip(kptr.iter()) {
                         *t = if F >= 3 {
@@ -967,6 +990,15 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 }
             }
             // P.V
+            #[cfg(target_arch = "x86_64")]
+            if let Some(l) = &lut {
+                for r in r_lo..r_hi {
+                    S::load(p.as_ptr().add(r * W)).store_bf16_pairs(pb.add(r * (W / 2)));
+                }
+                let (ar, pr) = (acch.add(r_lo * d), pb.add(r_lo * (W / 2)) as *const u32);
+                crate::vnni::fp8_pv(l, ar, pr, d, r_hi - r_lo, &vptr, nk.div_ceil(2));
+                continue;
+            }
             if vnni {
                 #[cfg(target_arch = "x86_64")]
                 {
@@ -1071,7 +1103,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if vnni {
+    if vnni || fp8dec {
         for row in acc.chunks_exact_mut(d) {
             crate::vnni::unpermute(row);
         }

@@ -211,6 +211,167 @@ unsafe fn pv_n<const NR: usize>(
     }
 }
 
+/// fp8 (E4M3 / E5M2) to bf16 by table (AVX-512 VBMI `vpermi2b`): the low and high bytes of
+/// the bf16 of each 7-bit magnitude, two 64-byte halves each (exact: fp8 values are bf16 values).
+pub struct Fp8Lut {
+    lo: [__m512i; 2],
+    hi: [__m512i; 2],
+}
+
+fn fp8_tables() -> &'static [[u8; 128]; 4] {
+    static T: std::sync::OnceLock<[[u8; 128]; 4]> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        let mut t = [[0u8; 128]; 4];
+        for x in 0..128u8 {
+            for (f, conv) in [crate::simd::e4m3_to_f32, crate::simd::e5m2_to_f32]
+                .iter()
+                .enumerate()
+            {
+                let b = (conv(x).to_bits() >> 16) as u16;
+                t[2 * f][x as usize] = b as u8;
+                t[2 * f + 1][x as usize] = (b >> 8) as u8;
+            }
+        }
+        t
+    })
+}
+
+/// The tables of E4M3 (`e5m2` false) or E5M2.
+#[inline(always)]
+pub unsafe fn fp8_lut(e5m2: bool) -> Fp8Lut {
+    let t = &fp8_tables()[2 * e5m2 as usize..];
+    Fp8Lut {
+        lo: [
+            _mm512_loadu_si512(t[0].as_ptr() as *const _),
+            _mm512_loadu_si512(t[0].as_ptr().add(64) as *const _),
+        ],
+        hi: [
+            _mm512_loadu_si512(t[1].as_ptr() as *const _),
+            _mm512_loadu_si512(t[1].as_ptr().add(64) as *const _),
+        ],
+    }
+}
+
+/// 64 fp8 codes to bf16: (lane L words = codes 16 L + 0..7, lane L words = codes 16 L + 8..15).
+#[inline(always)]
+unsafe fn fp8_bf16(l: &Fp8Lut, x: __m512i) -> (__m512i, __m512i) {
+    let lo = _mm512_permutex2var_epi8(l.lo[0], x, l.lo[1]);
+    let hi = _mm512_permutex2var_epi8(l.hi[0], x, l.hi[1]);
+    let hi = _mm512_or_si512(hi, _mm512_and_si512(x, _mm512_set1_epi8(-128)));
+    (_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi))
+}
+
+/// Natural pair index (within 64 dimensions) of pair row `p` of `fp8_k_pairs`' tile.
+#[inline(always)]
+fn fp8_pair_of(p: usize) -> usize {
+    let (r, i) = (p / 16, p % 16);
+    8 * (i / 4) + 4 * r + i % 4
+}
+
+/// A bf16 query row's dimension pairs (`d / 2` dwords) in the order of `fp8_k_pairs`' rows.
+pub fn fp8_permute_q_pairs(row: &mut [u32]) {
+    for chunk in row.chunks_exact_mut(32) {
+        let mut t = [0u32; 32];
+        for (p, x) in t.iter_mut().enumerate() {
+            *x = chunk[fp8_pair_of(p)];
+        }
+        chunk.copy_from_slice(&t);
+    }
+}
+
+/// The fp8 K tile (16 rows `k`, a zero row for keys that are not real) as bf16 dimension pairs,
+/// `kp[p][j]`, pair rows in `fp8_pair_of` order per 64 dimensions (`d / 2` rows of 16 dwords).
+/// Each 64 codes are converted once: the second half waits in `tmp` (16 x 32 halves).
+#[inline(always)]
+pub unsafe fn fp8_k_pairs(l: &Fp8Lut, k: &[*const u8; W], d: usize, kp: *mut u32, tmp: *mut u16) {
+    for c4 in 0..d / 64 {
+        let mut t = [Avx512::<true, true>(_mm512_setzero_ps()); W];
+        for (j, (tj, &kj)) in t.iter_mut().zip(k.iter()).enumerate() {
+            let (w0, w1) = fp8_bf16(l, _mm512_loadu_si512(kj.add(64 * c4) as *const _));
+            *tj = Avx512(_mm512_castsi512_ps(w0));
+            _mm512_storeu_si512(tmp.add(32 * j) as *mut _, w1);
+        }
+        for half in 0..2 {
+            if half == 1 {
+                for (j, tj) in t.iter_mut().enumerate() {
+                    *tj = Avx512(_mm512_loadu_ps(tmp.add(32 * j) as *const f32));
+                }
+            }
+            <Avx512<true, true> as Simd>::transpose(&mut t);
+            let c2 = 2 * c4 + half;
+            for (i, v) in t.iter().enumerate() {
+                _mm512_storeu_ps(kp.add((c2 * W + i) * W) as *mut f32, v.0);
+            }
+        }
+    }
+}
+
+/// `acc[x][:] += sum_j p[x][j] * V_j` for `nr` (1..=`NR_MAX`) rows over fp8 V rows `v` (`njp`
+/// pairs of keys; a zero row for keys that are not real), P as bf16 key pairs (`pb` rows `W / 2`
+/// dwords apart), one `vdpbf16ps` per two keys and 16 dimensions; acc in the permuted layout.
+#[inline(always)]
+pub unsafe fn fp8_pv(
+    l: &Fp8Lut,
+    acc: *mut f32,
+    pb: *const u32,
+    d: usize,
+    nr: usize,
+    v: &[*const u8; W],
+    njp: usize,
+) {
+    match nr {
+        1 => fp8_pv_n::<1>(l, acc, pb, d, v, njp),
+        2 => fp8_pv_n::<2>(l, acc, pb, d, v, njp),
+        3 => fp8_pv_n::<3>(l, acc, pb, d, v, njp),
+        _ => fp8_pv_n::<4>(l, acc, pb, d, v, njp),
+    }
+}
+
+#[inline(always)]
+unsafe fn fp8_pv_n<const NR: usize>(
+    l: &Fp8Lut,
+    acc: *mut f32,
+    pb: *const u32,
+    d: usize,
+    v: &[*const u8; W],
+    njp: usize,
+) {
+    let mut c = 0;
+    while c < d {
+        let mut a = [[_mm512_setzero_ps(); 4]; NR];
+        for x in 0..NR {
+            for m in 0..4 {
+                a[x][m] = _mm512_loadu_ps(acc.add(x * d + c + m * W));
+            }
+        }
+        for jp in 0..njp {
+            let (a0, a1) = fp8_bf16(l, _mm512_loadu_si512(v[2 * jp].add(c) as *const _));
+            let (b0, b1) = fp8_bf16(l, _mm512_loadu_si512(v[2 * jp + 1].add(c) as *const _));
+            // key pairs per dword: vector m, lane 4 L + i = dimension 16 L + 4 m + i
+            let xs = [
+                _mm512_unpacklo_epi16(a0, b0),
+                _mm512_unpackhi_epi16(a0, b0),
+                _mm512_unpacklo_epi16(a1, b1),
+                _mm512_unpackhi_epi16(a1, b1),
+            ];
+            for x in 0..NR {
+                let pj: __m512bh =
+                    std::mem::transmute(_mm512_set1_epi32(*pb.add(x * (W / 2) + jp) as i32));
+                for m in 0..4 {
+                    let xm: __m512bh = std::mem::transmute(xs[m]);
+                    a[x][m] = _mm512_dpbf16_ps(a[x][m], pj, xm);
+                }
+            }
+        }
+        for x in 0..NR {
+            for m in 0..4 {
+                _mm512_storeu_ps(acc.add(x * d + c + m * W), a[x][m]);
+            }
+        }
+        c += 64;
+    }
+}
+
 /// Row `acc` (`d` floats) from the permuted layout back to dimension order.
 pub fn unpermute(acc: &mut [f32]) {
     for chunk in acc.chunks_exact_mut(64) {
