@@ -8,7 +8,9 @@ bandwidth yardstick: ``pct_of_copy`` = copy time / kernel time); for decode also
 same blocks out of the cache in the table's shuffled order (``gather``: whether reading scattered
 blocks, rather than the kernel, is what falls short of the copy). Decode (one query per request)
 over batch x context, prefill (one request, causal), and decode over int8 / fp8 caches against
-bf16 at the same shape. Medians over rounds; ``--seed`` draws other data and block tables.
+bf16 at the same shape, warm (the same call repeated: at 8 x 4K and 1 x 16K the bytes stay in
+L3) and cold (a 64 MB copy before every timed call, as in a forward, where each layer's K/V is
+read once a step). Medians over rounds; ``--seed`` draws other data and block tables.
 
 Clock: with one thread, the calling thread's CPU time (``time.thread_time``: every timed op
 runs on that thread, and a machine shared with other jobs does not charge their time slices to
@@ -47,6 +49,27 @@ def _time(fns: dict, budget_s: float, max_rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {n: [] for n in fns}
     for _ in range(rounds):
         for n, fn in fns.items():
+            t = clock()
+            fn()
+            times[n].append((clock() - t) * 1e3)
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
+def _time_cold(fns: dict, budget_s: float, max_rounds: int) -> dict[str, float]:
+    """``_time`` with a 64 MB copy (untimed) before every call: no cache holds the call's bytes."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    src = torch.empty(16 << 20)
+    dst = torch.empty_like(src)
+    t0 = time.perf_counter()
+    for fn in fns.values():
+        dst.copy_(src)
+        fn()
+    first = time.perf_counter() - t0
+    rounds = max(3, min(max_rounds, int(budget_s / max(first, 1e-6))))
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, fn in fns.items():
+            dst.copy_(src)
             t = clock()
             fn()
             times[n].append((clock() - t) * 1e3)
@@ -115,8 +138,8 @@ def prefill_row(gen, length: int, dtype, budget_s: float) -> dict[str, float]:
     return _time(fns, budget_s, 10)
 
 
-def quant_row(gen, batch: int, length: int, budget_s: float) -> dict[str, float]:
-    """Decode over bf16, int8 and fp8 caches holding the same tokens (kernel only)."""
+def quant_row(gen, batch: int, length: int, budget_s: float) -> tuple[dict, dict]:
+    """Decode over bf16, int8 and fp8 caches holding the same tokens (kernel only): (warm, cold)."""
     keys, values, cache, table = _paged(gen, batch, length, torch.bfloat16)
     q = torch.randn(batch, HQ, D, generator=gen).to(torch.bfloat16)
     meta = kk.plan_attention(
@@ -134,7 +157,7 @@ def quant_row(gen, batch: int, length: int, budget_s: float) -> dict[str, float]
         qc = allocate_kv_caches(fmt, 1, cache.shape[0], BS, HK, D, torch.bfloat16, "cpu")[0]
         kk.store_kv(k_tok, v_tok, qc, slots, backend="torch")
         fns[fmt] = lambda qc=qc: kk.paged_attention(q, qc, meta, scale=D**-0.5, backend="cpu")
-    return _time(fns, budget_s, 30)
+    return _time(fns, budget_s, 30), _time_cold(fns, budget_s, 30)
 
 
 def sweep(quick: bool, dtype_name: str, seed: int, budget_s: float) -> None:
@@ -170,10 +193,19 @@ def sweep(quick: bool, dtype_name: str, seed: int, budget_s: float) -> None:
     print(f"prefill_kernel_over_sdpa_max: {worst:.3f} x")
     print("\n| quantized decode batch x ctx | bf16 ms | int8 ms | fp8_e4m3 ms | fp8_e5m2 ms |\n"
           "|---|---|---|---|---|")  # fmt: skip
+    cold = {}
     for batch, length in grid["quant"]:
-        ms = quant_row(gen, batch, length, budget_s)
+        ms, cold[batch, length] = quant_row(gen, batch, length, budget_s)
         print(f"| {batch} x {length} | {ms['bf16']:.3f} | {ms['int8']:.3f} | "
               f"{ms['fp8_e4m3']:.3f} | {ms['fp8_e5m2']:.3f} |")  # fmt: skip
         for fmt in ("int8", "fp8_e4m3", "fp8_e5m2"):
             print(f"quant_speedup_vs_bf16_{fmt}_b{batch}_ctx{length}: "
+                  f"{ms['bf16'] / ms[fmt]:.3f} x")  # fmt: skip
+    print("\n| quantized decode, cold, batch x ctx | bf16 ms | int8 ms | fp8_e4m3 ms "
+          "| fp8_e5m2 ms |\n|---|---|---|---|---|")  # fmt: skip
+    for (batch, length), ms in cold.items():
+        print(f"| {batch} x {length} | {ms['bf16']:.3f} | {ms['int8']:.3f} | "
+              f"{ms['fp8_e4m3']:.3f} | {ms['fp8_e5m2']:.3f} |")  # fmt: skip
+        for fmt in ("int8", "fp8_e4m3", "fp8_e5m2"):
+            print(f"quant_cold_speedup_vs_bf16_{fmt}_b{batch}_ctx{length}: "
                   f"{ms['bf16'] / ms[fmt]:.3f} x")  # fmt: skip
