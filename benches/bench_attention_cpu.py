@@ -38,38 +38,27 @@ FULL = {
 QUICK = {"decode": [(1, 512), (32, 1024)], "prefill": [512], "quant": [(2, 4096)]}
 
 
-def _time(fns: dict, budget_s: float, max_rounds: int) -> dict[str, float]:
-    """Median ms of each function, rounds interleaved, about ``budget_s`` in all."""
+def _time(fns: dict, budget_s: float, max_rounds: int, cold: bool = False) -> dict[str, float]:
+    """Median ms of each function, rounds interleaved, about ``budget_s`` in all; ``cold``: a
+    64 MB copy (untimed) before every call, so that no cache holds the call's bytes."""
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    t0 = time.perf_counter()
-    for fn in fns.values():
-        fn()
-    first = time.perf_counter() - t0
-    rounds = max(3, min(max_rounds, int(budget_s / max(first, 1e-6))))
-    times: dict[str, list[float]] = {n: [] for n in fns}
-    for _ in range(rounds):
-        for n, fn in fns.items():
-            t = clock()
-            fn()
-            times[n].append((clock() - t) * 1e3)
-    return {n: statistics.median(ts) for n, ts in times.items()}
+    src = torch.empty(16 << 20) if cold else None
+    dst = torch.empty_like(src) if cold else None
 
-
-def _time_cold(fns: dict, budget_s: float, max_rounds: int) -> dict[str, float]:
-    """``_time`` with a 64 MB copy (untimed) before every call: no cache holds the call's bytes."""
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    src = torch.empty(16 << 20)
-    dst = torch.empty_like(src)
-    t0 = time.perf_counter()
-    for fn in fns.values():
-        dst.copy_(src)
-        fn()
-    first = time.perf_counter() - t0
-    rounds = max(3, min(max_rounds, int(budget_s / max(first, 1e-6))))
-    times: dict[str, list[float]] = {n: [] for n in fns}
-    for _ in range(rounds):
-        for n, fn in fns.items():
+    def flush():
+        if cold:
             dst.copy_(src)
+
+    t0 = time.perf_counter()
+    for fn in fns.values():
+        flush()
+        fn()
+    first = time.perf_counter() - t0
+    rounds = max(3, min(max_rounds, int(budget_s / max(first, 1e-6))))
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, fn in fns.items():
+            flush()
             t = clock()
             fn()
             times[n].append((clock() - t) * 1e3)
@@ -157,7 +146,7 @@ def quant_row(gen, batch: int, length: int, budget_s: float) -> tuple[dict, dict
         qc = allocate_kv_caches(fmt, 1, cache.shape[0], BS, HK, D, torch.bfloat16, "cpu")[0]
         kk.store_kv(k_tok, v_tok, qc, slots, backend="torch")
         fns[fmt] = lambda qc=qc: kk.paged_attention(q, qc, meta, scale=D**-0.5, backend="cpu")
-    return _time(fns, budget_s, 30), _time_cold(fns, budget_s, 30)
+    return _time(fns, budget_s, 30), _time(fns, budget_s, 30, cold=True)
 
 
 def sweep(quick: bool, dtype_name: str, seed: int, budget_s: float) -> None:

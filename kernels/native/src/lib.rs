@@ -99,69 +99,48 @@ unsafe fn item_portable<const F: u8>(
     run_item::<Portable, F>(c, item, heads, n, s)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn item_avx2<const F: u8>(
-    c: &Call,
-    item: usize,
-    heads: (usize, usize),
-    n: Next,
-    s: &mut [f32],
-) {
-    run_item::<avx2::Avx2, F>(c, item, heads, n, s)
+/// A `run_item` instance compiled with target features `$feat` (its intrinsics inline only into
+/// a function compiled with them).
+macro_rules! item_instance {
+    ($(#[$doc:meta])* $name:ident, $feat:literal, $simd:ty) => {
+        $(#[$doc])*
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feat)]
+        unsafe fn $name<const F: u8>(
+            c: &Call,
+            item: usize,
+            heads: (usize, usize),
+            n: Next,
+            s: &mut [f32],
+        ) {
+            run_item::<$simd, F>(c, item, heads, n, s)
+        }
+    };
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma")]
-unsafe fn item_avx512<const F: u8>(
-    c: &Call,
-    item: usize,
-    heads: (usize, usize),
-    n: Next,
-    s: &mut [f32],
-) {
-    run_item::<simd::Avx512<false>, F>(c, item, heads, n, s)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,f16c,fma")]
-unsafe fn item_avx512_bf16<const F: u8>(
-    c: &Call,
-    item: usize,
-    heads: (usize, usize),
-    n: Next,
-    s: &mut [f32],
-) {
-    run_item::<simd::Avx512<true>, F>(c, item, heads, n, s)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni,f16c,fma")]
-unsafe fn item_avx512_vnni<const F: u8>(
-    c: &Call,
-    item: usize,
-    heads: (usize, usize),
-    n: Next,
-    s: &mut [f32],
-) {
-    run_item::<simd::Avx512<true, true>, F>(c, item, heads, n, s)
-}
-
-/// The fp8 instance: `item_avx512_vnni` with VBMI too (its table lookups); kept apart, as the
-/// int8 instance compiled with VBMI ran 18 % slower.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(
-    enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni,avx512vbmi,f16c,fma"
-)]
-unsafe fn item_avx512_vbmi<const F: u8>(
-    c: &Call,
-    item: usize,
-    heads: (usize, usize),
-    n: Next,
-    s: &mut [f32],
-) {
-    run_item::<simd::Avx512<true, true>, F>(c, item, heads, n, s)
-}
+item_instance!(item_avx2, "avx2,fma,f16c", avx2::Avx2);
+item_instance!(
+    item_avx512,
+    "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma",
+    simd::Avx512<false>
+);
+item_instance!(
+    item_avx512_bf16,
+    "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,f16c,fma",
+    simd::Avx512<true>
+);
+item_instance!(
+    item_avx512_vnni,
+    "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni,f16c,fma",
+    simd::Avx512<true, true>
+);
+item_instance!(
+    /// The fp8 instance: `item_avx512_vnni` with VBMI too (its table lookups); kept apart, as
+    /// the int8 instance compiled with VBMI ran 18 % slower.
+    item_avx512_vbmi,
+    "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni,avx512vbmi,f16c,fma",
+    simd::Avx512<true, true>
+);
 
 /// Whether this CPU has AVX-512 VNNI and VBMI (int8 decode by integer dot products, fp8 decode
 /// converted by table: `vnni.rs`).
