@@ -639,7 +639,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
         let n = (key_hi - k0).min(W as i64) as usize;
         // Part of the keys ahead now, the rest later in the tile (`pf_split`): a burst of all
         // 16 keys' lines (64 for bf16 rows of 128 bytes) overflowed the misses the core keeps
-        // in flight (bf16 decode 15-35 % slower than prefetches spread per key).
+        // in flight (bf16 decode 1.05-1.36x the time of prefetches spread per key).
         // (all of them on the transposed path, which never reaches the later points)
         let pf_first = if cols {
             W as i64

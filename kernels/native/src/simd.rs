@@ -47,7 +47,8 @@ pub trait Simd: Copy {
     const QK_TWO_CHAINS: bool = true;
     /// Whether the bf16-pair methods below are implemented (AVX-512 BF16 dot products).
     const DPBF16: bool = false;
-    /// int8 decode by integer dot products (`vnni.rs`; AVX-512 VNNI, the caller compiled with it).
+    /// int8 decode by integer dot products and fp8 decode by table (`vnni.rs`): AVX-512 VNNI, and
+    /// VBMI for the fp8 tables, the caller compiled with them.
     const VNNI: bool = false;
     /// Whether `qk_direct` is implemented (AVX2: decode scores without the K tile's transpose).
     const QK_DIRECT: bool = false;
