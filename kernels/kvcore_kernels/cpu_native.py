@@ -84,7 +84,7 @@ class Options:
 
     mode: str = os.environ.get("KVCORE_NATIVE_THREADS", "omp")
     portable: bool = os.environ.get("KVCORE_NATIVE_PORTABLE", "") not in ("", "0")
-    # auto | avx2 | portable | novnni (the best without the VNNI int8 decode)
+    # auto | avx2 | portable | novnni (the best without the VNNI int8 / VBMI fp8 decode)
     isa: str = os.environ.get("KVCORE_NATIVE_ISA", "auto")
     split_keys: int | None = None  # tests: split every item into runs of this many keys
     # one task per item for all its KV heads (True), one per KV head (False), or by the code
@@ -136,8 +136,8 @@ def fuse_heads_for(fmt: int) -> bool:
 
 
 def features() -> dict[str, bool]:
-    """What the extension found: the AVX-512 path, AVX-512 BF16, AVX-512 VNNI (the int8 decode),
-    the AVX2 path, torch's ``GOMP_parallel``."""
+    """What the extension found: the AVX-512 path, AVX-512 BF16, AVX-512 VNNI + VBMI (the int8
+    / fp8 decode), the AVX2 path, torch's ``GOMP_parallel``."""
     if _native is None:
         return {"native": False}
     _bind_openmp()

@@ -191,7 +191,7 @@ fn store_kv(
 }
 
 /// `isa` checked: 0 the best instance, 1 portable, 2 at most AVX2, 3 the best without the VNNI
-/// int8 decode (`crate::ISA_*`).
+/// int8 / VBMI fp8 decode (`crate::ISA_*`).
 fn isa_of(isa: u8) -> PyResult<u8> {
     if isa > crate::ISA_NO_VNNI {
         return Err(PyValueError::new_err(format!(
@@ -341,7 +341,7 @@ fn set_gomp_parallel(addr: usize) {
 }
 
 /// (avx512 path available, avx512_bf16, amx (not detected: unstable in Rust), GOMP_parallel set,
-/// avx2 path available, avx512_vnni)
+/// avx2 path available, avx512_vnni: VNNI and VBMI, the int8 / fp8 decode paths)
 #[pyfunction]
 fn features() -> (bool, bool, bool, bool, bool, bool) {
     #[cfg(target_arch = "x86_64")]

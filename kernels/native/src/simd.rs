@@ -385,7 +385,7 @@ mod avx {
 
     /// The AVX-512 instance (needs avx512f/bw/dq/vl; checked in `lib.rs`); `BF`: the CPU has
     /// AVX-512 BF16 too, and the caller was compiled with it (bf16 K rows dotted without
-    /// widening); `VN`: AVX-512 VNNI as well (int8 decode in `vnni.rs`).
+    /// widening); `VN`: AVX-512 VNNI (and VBMI in the fp8 instance) as well (`vnni.rs`).
     #[derive(Clone, Copy)]
     pub struct Avx512<const BF: bool, const VN: bool = false>(pub __m512);
 

@@ -1,22 +1,26 @@
-//! int8 decode on AVX-512 VNNI: scores and P.V as integer dot products of the int8 codes, no
-//! conversion of K or V to bf16 or fp32 (`attend::run_item` takes it for items of at most
-//! `MAX_ROWS` rows per KV head over an int8 cache, with bf16 queries).
+//! Quantized decode on AVX-512 VNNI / VBMI. int8: scores and P.V as integer dot products of the
+//! int8 codes, no conversion of K or V to bf16 or fp32 (`attend::run_item` takes it for items
+//! of at most `MAX_ROWS` rows per KV head over an int8 cache, with bf16 queries). fp8 (`fp8_*`,
+//! at most 4 rows): codes to bf16 by two `vpermi2b` table lookups, then the bf16 pair dot
+//! products, V paired in registers.
 //!
 //!   query    q ~ s (hi + lo / 256), hi and lo int8, s = max|q| / 127 per row (error <= s / 512
 //!            per element: finer than the bf16 rounding of q on the bf16 path)
 //!   scores   sum_d q[d] k[d] = s (sum (k + 128) hi - 128 sum hi) + s / 256 (...lo...): `vpdpbusd`
 //!            takes the codes as unsigned (k xor 0x80) against each part; the K tile is one
 //!            16 x 16 dword transpose per 64 dimensions (4 codes a dword), shared by the rows
-//!   P.V      w = p * v_scale (>= 0) ~ t (hi + lo / 256), hi and lo uint8, t = max w / 255 per
-//!            row and tile; 4 keys' V codes byte-interleaved per dword (8 unpacks per 4 keys x
-//!            64 dimensions), one `vpdpbusd` per 4 keys x 16 dimensions x part
+//!   P.V      w = p * v_scale (>= 0) ~ t u, u uint8, t = max w / 255 per row and tile (two
+//!            parts, as for q, cost as much as they saved); 4 keys' V codes byte-interleaved
+//!            per dword (8 unpacks per 4 keys x 64 dimensions), one `vpdpbusd` per 4 keys x 16
+//!            dimensions
 //!
 //! The int32 sums are exact and folded into the fp32 accumulator once per tile. The
 //! accumulator's dimensions are *permuted* within each 64 (`unpermute` restores them once per
 //! item): lane 4 L + i of vector m holds dimension 16 L + 4 m + i.
 //! Costs per 16 keys x 64 dimensions, R rows: 16 xors + 64 shuffles + 32 R `vpdpbusd` (K);
-//! 32 shuffles + 32 R `vpdpbusd` (V), against the bf16 conversions and fp32 FMAs of the
+//! 32 shuffles + 16 R `vpdpbusd` (V), against the bf16 conversions and fp32 FMAs of the
 //! widening path (which was 0.8-0.9x the speed of a bf16 cache at 4K+ keys).
+//! The fp8 accumulator uses the same permuted layout (its V pairs come from the same unpacks).
 
 #![cfg(target_arch = "x86_64")]
 
