@@ -162,21 +162,25 @@ def test_quantized_decode_tiles_match_twin(fmt, block_size, gen, path):
     split_keys=st.sampled_from([None, 48]),
     isa=st.sampled_from(["auto", "novnni"]),
     fmt=st.sampled_from(["int8", "fp8_e4m3", "fp8_e5m2"]),
+    fuse_heads=st.sampled_from([None, False, True]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_quantized_decode_matches_twin_on_both_avx512_paths(
-    heads, head_dim, block_size, ctx, ntok, window, soft_cap, alibi, split_keys, isa, fmt, seed,
-    monkeypatch,
+    heads, head_dim, block_size, ctx, ntok, window, soft_cap, alibi, split_keys, isa, fmt,
+    fuse_heads, seed, monkeypatch,
 ):  # fmt: skip
     """bf16 decode over an int8 / fp8 cache, few query rows per KV head: with AVX-512 VNNI and
     VBMI (``isa="auto"``) int8 scores and P.V are integer dot products of the codes (up to 8
-    rows) and fp8 rows are converted by table lookups (up to 4 rows); without them
-    (``"novnni"``) the codes are widened; both against the twin, every feature, forced splits."""
+    rows) and fp8 codes become bf16 by a shift and a mask, flushing subnormal codes (up to 4
+    rows); without them (``"novnni"``) the codes are widened; both against the twin, every
+    feature, forced splits, a task per KV head or per item (``fuse_heads``; None: the
+    default)."""
     feats = cpu_native.features()
     if not (feats.get("avx512") and feats.get("avx512_bf16")):
         pytest.skip("no AVX-512 BF16 path on this CPU")
     monkeypatch.setattr(cpu_native.OPTIONS, "isa", isa)
     monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", split_keys)
+    monkeypatch.setattr(cpu_native.OPTIONS, "fuse_heads", fuse_heads)
     gen = torch.Generator().manual_seed(seed)
     b = make_batch(gen, [(c, ntok) for c in ctx], block_size=block_size, num_q_heads=heads[0],
                    num_kv_heads=heads[1], head_dim=head_dim, dtype=torch.bfloat16)  # fmt: skip
@@ -271,7 +275,7 @@ def test_cpu_backend_is_refused_for_cuda_tensors():
     assert check_backend("cpu", torch.device("cpu")) == "cpu"
 
 
-def test_heads_fuse_by_default_off_the_avx512_path_for_wide_elements(monkeypatch):
+def test_heads_fuse_by_default_off_avx512_for_wide_elements_and_on_vnni_for_bytes(monkeypatch):
     opts = cpu_native.OPTIONS
     monkeypatch.setattr(opts, "fuse_heads", None)
     monkeypatch.setattr(opts, "isa", "avx2")
@@ -282,8 +286,18 @@ def test_heads_fuse_by_default_off_the_avx512_path_for_wide_elements(monkeypatch
     monkeypatch.setattr(opts, "isa", "auto")
     avx512 = cpu_native.features()["avx512"]
     assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16) == (not avx512)
+    # int8 / fp8: fused where the VNNI / VBMI decode runs (bf16 queries), not on the widening path
+    vnni = cpu_native.features()["avx512_vnni"] and cpu_native.features()["avx512_bf16"]
+    for fmt in (cpu_native.FMT_INT8, cpu_native.FMT_E4M3, cpu_native.FMT_E5M2):
+        assert cpu_native.fuse_heads_for(fmt, torch.bfloat16) == (avx512 and vnni)
+        assert not cpu_native.fuse_heads_for(fmt, torch.float32)
+    monkeypatch.setattr(opts, "isa", "novnni")
+    assert not cpu_native.fuse_heads_for(cpu_native.FMT_INT8, torch.bfloat16)
+    assert not cpu_native.fuse_heads_for(cpu_native.FMT_BF16)
+    monkeypatch.setattr(opts, "isa", "auto")
     monkeypatch.setattr(opts, "fuse_heads", False)  # KVCORE_NATIVE_FUSE_HEADS=0 wins
     assert not cpu_native.fuse_heads_for(cpu_native.FMT_BF16)
+    assert not cpu_native.fuse_heads_for(cpu_native.FMT_INT8, torch.bfloat16)
     monkeypatch.setattr(opts, "fuse_heads", True)
     assert cpu_native.fuse_heads_for(cpu_native.FMT_INT8)
 

@@ -11,7 +11,7 @@
 //!   scores   s[r][j] = sum_d q[r][d] * kt[d][j]               (q pre-scaled; no horizontal sums)
 //!   P.V      acc[r][:] += p[r][j] * v[j][:]                   (v decoded once per tile)
 //!
-//! With AVX-512 BF16 and bf16 queries (bf16 caches; int8 / fp8 ones converted exactly) the K
+//! With AVX-512 BF16 and bf16 queries (bf16 caches; int8 / fp8 ones converted to bf16) the K
 //! tile is re-laid as dimension pairs instead (`kp[dp][j]`, a 16 x 16 dword transpose per 32
 //! dimensions) and each score row is `d / 2` broadcast `vdpbf16ps`; prefill rows do P.V the same
 //! way on V re-laid as key pairs, with P rounded to bf16 (as flash attention's P.V). An item with
@@ -515,18 +515,16 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     #[cfg(not(target_arch = "x86_64"))]
     let vnni = false;
     let (q8h, q8l) = (qb as *mut i8, (qb as *mut i8).add(rows * d));
-    // fp8 decode with AVX-512 VBMI: K and V rows converted to bf16 by table, V paired in
-    // registers (`vnni::fp8_*`); query pairs re-ordered to the K tile's, accumulator permuted.
+    // fp8 decode with AVX-512 VBMI: K and V codes made bf16 by shift and mask in registers, K
+    // transposed as codes, V paired as codes (`vnni::fp8_*`); the accumulator in dimension order.
     #[cfg(target_arch = "x86_64")]
     let fp8dec = S::VNNI && dpbf16 && (F == 4 || F == 5) && !cols && hrows <= 4 && d % 64 == 0;
     #[cfg(not(target_arch = "x86_64"))]
     let fp8dec = false;
+    // fp8 codes are read as bf16 too small by 2^bias (`vnni::fp8_words`): the query and P are
+    // scaled up by 2^FP8_PRE, the scores and the accumulator by the rest.
     #[cfg(target_arch = "x86_64")]
-    let lut = if fp8dec {
-        Some(crate::vnni::fp8_lut(F == 5))
-    } else {
-        None
-    };
+    let fp8_post = (2f32).powi(crate::vnni::fp8_bias(F) - crate::vnni::FP8_PRE);
     let nblk = if cols { hrows.div_ceil(W) } else { 0 };
     let prow = (h1 - h0) * nblk * W;
     let (acc_t, rest) = rest.split_at_mut(prow * d); // [head][block][d][16]
@@ -570,10 +568,11 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     std::ptr::copy_nonoverlapping(row as *const u16, qb.add(r * d), d);
                     #[cfg(target_arch = "x86_64")]
                     if fp8dec {
-                        crate::vnni::fp8_permute_q_pairs(std::slice::from_raw_parts_mut(
-                            qb.add(r * d) as *mut u32,
-                            d / 2,
-                        ));
+                        let pre = (2f32).powi(crate::vnni::FP8_PRE);
+                        for e in 0..d {
+                            let x = c.dt.read(row, e) * pre; // exact: a power of two
+                            *qb.add(r * d + e) = (x.to_bits() >> 16) as u16;
+                        }
                     }
                 }
                 if direct && F == 1 {
@@ -858,17 +857,22 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                         r += nr;
                     }
                 }
+            } else if fp8dec {
+                // fp8 codes transposed, converted and dotted in registers (`vnni::fp8_qk`)
+                #[cfg(target_arch = "x86_64")]
+                {
+                    let qr = qb.add((hq0 + r_lo) * d) as *const u32;
+                    let qs = c.scale * kscale_of(hh) * fp8_post;
+                    let pr = p.as_mut_ptr().add(r_lo * W);
+                    crate::vnni::fp8_qk::<F>(&kptr, d, r_hi - r_lo, qr, qs, pr);
+                }
             } else if dpbf16 {
                 let qs = S::splat(c.scale * kscale_of(hh));
                 // K tile as dimension pairs (a 16 x 16 dword transpose per 32 dimensions):
                 // kp[dp][j] = (K[j][2 dp], K[j][2 dp + 1]), then broadcast dot products. An
-                // int8 / fp8 row is converted to bf16 in registers on the way in.
+                // int8 row is converted to bf16 in registers on the way in.
                 let kp = kt.as_mut_ptr() as *mut u32; // kt is free on this path
-                #[cfg(target_arch = "x86_64")]
-                if let Some(l) = &lut {
-                    crate::vnni::fp8_k_pairs(l, &kptr, d, kp, kb);
-                }
-                for c2 in 0..if fp8dec { 0 } else { d / (2 * W) } {
+                for c2 in 0..d / (2 * W) {
                     let mut tile = [S::splat(0.0); W];
                     for (t, &kr) in tile.iter_mut().zip(kptr.iter()) {
                         *t = if F >= 3 {
@@ -991,12 +995,15 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             }
             // P.V
             #[cfg(target_arch = "x86_64")]
-            if let Some(l) = &lut {
+            if fp8dec {
+                let pre = S::splat((2f32).powi(crate::vnni::FP8_PRE));
                 for r in r_lo..r_hi {
-                    S::load(p.as_ptr().add(r * W)).store_bf16_pairs(pb.add(r * (W / 2)));
+                    S::load(p.as_ptr().add(r * W))
+                        .mul(pre)
+                        .store_bf16_pairs(pb.add(r * (W / 2)));
                 }
                 let (ar, pr) = (acch.add(r_lo * d), pb.add(r_lo * (W / 2)) as *const u32);
-                crate::vnni::fp8_pv(l, ar, pr, d, r_hi - r_lo, &vptr, nk.div_ceil(2));
+                crate::vnni::fp8_pv::<F>(ar, pr, d, r_hi - r_lo, &vptr, nk.div_ceil(2));
                 continue;
             }
             if vnni {
@@ -1103,9 +1110,15 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if vnni || fp8dec {
+    if vnni {
         for row in acc.chunks_exact_mut(d) {
             crate::vnni::unpermute(row);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if fp8dec {
+        for x in acc.iter_mut() {
+            *x *= fp8_post;
         }
     }
     if part >= 0 {

@@ -135,7 +135,7 @@ item_instance!(
     simd::Avx512<true, true>
 );
 item_instance!(
-    /// The fp8 instance: `item_avx512_vnni` with VBMI too (its table lookups); kept apart, as
+    /// The fp8 instance: `item_avx512_vnni` with VBMI too (its `vpermt2b`); kept apart, as
     /// the int8 instance compiled with VBMI ran 18 % slower.
     item_avx512_vbmi,
     "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni,avx512vbmi,f16c,fma",
@@ -143,7 +143,7 @@ item_instance!(
 );
 
 /// Whether this CPU has AVX-512 VNNI and VBMI (int8 decode by integer dot products, fp8 decode
-/// converted by table: `vnni.rs`).
+/// by shift and mask after `vpermt2b`: `vnni.rs`).
 pub fn has_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
     {

@@ -1,8 +1,10 @@
 //! Quantized decode on AVX-512 VNNI / VBMI. int8: scores and P.V as integer dot products of the
 //! int8 codes, no conversion of K or V to bf16 or fp32 (`attend::run_item` takes it for items
 //! of at most `MAX_ROWS` rows per KV head over an int8 cache, with bf16 queries). fp8 (`fp8_*`,
-//! at most 4 rows): codes to bf16 by two `vpermi2b` table lookups, then the bf16 pair dot
-//! products, V paired in registers.
+//! at most 4 rows): each code, put in the high byte of a word by a byte shuffle, becomes a bf16
+//! by a shift and a mask (`fp8_words`: the value times a power of two, undone outside the dot
+//! products; subnormal codes read as zero), then the bf16 pair dot products: K transposed as
+//! codes (1 KB per 64 dimensions, not 2 KB), V paired as codes by `vpermt2b`.
 //!
 //!   query    q ~ s (hi + lo / 256), hi and lo int8, s = max|q| / 127 per row (error <= s / 512
 //!            per element: finer than the bf16 rounding of q on the bf16 path)
@@ -20,7 +22,9 @@
 //! Costs per 16 keys x 64 dimensions, R rows: 16 xors + 64 shuffles + 32 R `vpdpbusd` (K);
 //! 32 shuffles + 16 R `vpdpbusd` (V), against the bf16 conversions and fp32 FMAs of the
 //! widening path (which was 0.8-0.9x the speed of a bf16 cache at 4K+ keys).
-//! The fp8 accumulator uses the same permuted layout (its V pairs come from the same unpacks).
+//! The fp8 accumulator is in dimension order. Costs per 16 keys x 64 dimensions, R rows: 64
+//! shuffles (transpose) + 32 `vpshufb` + 64 shift / and + 32 R `vdpbf16ps` (K); per 2 keys 4
+//! `vpermt2b` + 8 shift / and + 4 R `vdpbf16ps` (V); no stores.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -215,107 +219,129 @@ unsafe fn pv_n<const NR: usize>(
     }
 }
 
-/// fp8 (E4M3 / E5M2) to bf16 by table (AVX-512 VBMI `vpermi2b`): the low and high bytes of
-/// the bf16 of each 7-bit magnitude, two 64-byte halves each (exact: fp8 values are bf16 values).
-pub struct Fp8Lut {
-    lo: [__m512i; 2],
-    hi: [__m512i; 2],
-}
-
-fn fp8_tables() -> &'static [[u8; 128]; 4] {
-    static T: std::sync::OnceLock<[[u8; 128]; 4]> = std::sync::OnceLock::new();
-    T.get_or_init(|| {
-        let mut t = [[0u8; 128]; 4];
-        for x in 0..128u8 {
-            for (f, conv) in [crate::simd::e4m3_to_f32, crate::simd::e5m2_to_f32]
-                .iter()
-                .enumerate()
-            {
-                let b = (conv(x).to_bits() >> 16) as u16;
-                t[2 * f][x as usize] = b as u8;
-                t[2 * f + 1][x as usize] = (b >> 8) as u8;
-            }
-        }
-        t
-    })
-}
-
-/// The tables of E4M3 (`e5m2` false) or E5M2.
+/// fp8 codes as *biased* bf16 (E4M3: F = 4, E5M2: F = 5). Placed in the high byte of a word
+/// (`c << 8`), a code becomes bf16 by one arithmetic shift and one mask: the sign stays in bit
+/// 15 and the 7 magnitude bits land on bf16's exponent and mantissa, so the bf16 holds the
+/// fp8 value times 2^-`fp8_bias` (2^-120 / 2^-112). The bias is undone outside the dot
+/// products: the query and P are scaled by 2^`FP8_PRE` (exact) and the sums by
+/// 2^(`fp8_bias` - `FP8_PRE`), so no product of normal values leaves fp32's normal range.
+/// Subnormal codes (below 2^-6 / 2^-14, at most 3.5e-5 of a head's largest E4M3 value) become
+/// bf16 subnormals, which `vdpbf16ps` reads as zero.
 #[inline(always)]
-pub unsafe fn fp8_lut(e5m2: bool) -> Fp8Lut {
-    let t = &fp8_tables()[2 * e5m2 as usize..];
-    Fp8Lut {
-        lo: [
-            _mm512_loadu_si512(t[0].as_ptr() as *const _),
-            _mm512_loadu_si512(t[0].as_ptr().add(64) as *const _),
-        ],
-        hi: [
-            _mm512_loadu_si512(t[1].as_ptr() as *const _),
-            _mm512_loadu_si512(t[1].as_ptr().add(64) as *const _),
-        ],
+unsafe fn fp8_words<const F: u8>(w: __m512i) -> __m512i {
+    if F == 5 {
+        _mm512_and_si512(
+            _mm512_srai_epi16::<3>(w),
+            _mm512_set1_epi16(0x8FE0u16 as i16),
+        )
+    } else {
+        _mm512_and_si512(
+            _mm512_srai_epi16::<4>(w),
+            _mm512_set1_epi16(0x87F0u16 as i16),
+        )
     }
 }
 
-/// 64 fp8 codes to bf16: (lane L words = codes 16 L + 0..7, lane L words = codes 16 L + 8..15).
-#[inline(always)]
-unsafe fn fp8_bf16(l: &Fp8Lut, x: __m512i) -> (__m512i, __m512i) {
-    let lo = _mm512_permutex2var_epi8(l.lo[0], x, l.lo[1]);
-    let hi = _mm512_permutex2var_epi8(l.hi[0], x, l.hi[1]);
-    let hi = _mm512_or_si512(hi, _mm512_and_si512(x, _mm512_set1_epi8(-128)));
-    (_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi))
-}
-
-/// Natural pair index (within 64 dimensions) of pair row `p` of `fp8_k_pairs`' tile.
-#[inline(always)]
-fn fp8_pair_of(p: usize) -> usize {
-    let (r, i) = (p / 16, p % 16);
-    8 * (i / 4) + 4 * r + i % 4
-}
-
-/// A bf16 query row's dimension pairs (`d / 2` dwords) in the order of `fp8_k_pairs`' rows.
-pub fn fp8_permute_q_pairs(row: &mut [u32]) {
-    for chunk in row.chunks_exact_mut(32) {
-        let mut t = [0u32; 32];
-        for (p, x) in t.iter_mut().enumerate() {
-            *x = chunk[fp8_pair_of(p)];
-        }
-        chunk.copy_from_slice(&t);
+/// The power of two by which `fp8_words` under-reads an fp8 value.
+pub const fn fp8_bias(f: u8) -> i32 {
+    if f == 5 {
+        112
+    } else {
+        120
     }
 }
 
-/// The fp8 K tile (16 rows `k`, a zero row for keys that are not real) as bf16 dimension pairs,
-/// `kp[p][j]`, pair rows in `fp8_pair_of` order per 64 dimensions (`d / 2` rows of 16 dwords).
-/// Each 64 codes are converted once: the second half waits in `tmp` (16 x 32 halves).
+/// The power of two the query rows and P are scaled by on the fp8 path (see `fp8_words`).
+pub const FP8_PRE: i32 = 64;
+
+/// In-lane byte order that turns a transposed dword vector (dword j: key j's codes c0..c3)
+/// into dwords [0, c0, 0, c1] (`half` 0) or [0, c2, 0, c3] (`half` 1): codes in high bytes.
 #[inline(always)]
-pub unsafe fn fp8_k_pairs(l: &Fp8Lut, k: &[*const u8; W], d: usize, kp: *mut u32, tmp: *mut u16) {
+unsafe fn fp8_spread(half: usize) -> __m512i {
+    let mut idx = [0i8; 64];
+    for (p, x) in idx.iter_mut().enumerate() {
+        let (dw, b) = ((p % 16) / 4, p % 4);
+        *x = if b % 2 == 0 {
+            -128 // zero
+        } else {
+            (4 * dw + 2 * half + b / 2) as i8
+        };
+    }
+    _mm512_loadu_si512(idx.as_ptr() as *const _)
+}
+
+/// `p[x][j] = scale * q[x] . K[j]` for `nr` (1..=4) query rows (`q`: `d / 2` dword pairs per
+/// row, natural order, bf16 scaled by 2^`FP8_PRE`; `scale` includes 2^(bias - `FP8_PRE`)) and
+/// a tile of 16 fp8 K rows `k` (a zero row for keys that are not real). Per 64 dimensions the
+/// raw codes are transposed as dwords (vector i, dword j: key j's codes 4 i..4 i + 3), then
+/// each vector gives the pair rows 2 i and 2 i + 1 in key order (`fp8_spread`, `fp8_words`),
+/// each met by one `vdpbf16ps` per row. The transpose moves the 1 KB of codes, not the 2 KB
+/// of a converted tile, and nothing is stored.
+#[inline(always)]
+pub unsafe fn fp8_qk<const F: u8>(
+    k: &[*const u8; W],
+    d: usize,
+    nr: usize,
+    q: *const u32,
+    scale: f32,
+    p: *mut f32,
+) {
+    match nr {
+        1 => fp8_qk_n::<F, 1>(k, d, q, scale, p),
+        2 => fp8_qk_n::<F, 2>(k, d, q, scale, p),
+        3 => fp8_qk_n::<F, 3>(k, d, q, scale, p),
+        _ => fp8_qk_n::<F, 4>(k, d, q, scale, p),
+    }
+}
+
+#[inline(always)]
+unsafe fn fp8_qk_n<const F: u8, const NR: usize>(
+    k: &[*const u8; W],
+    d: usize,
+    q: *const u32,
+    scale: f32,
+    p: *mut f32,
+) {
+    let dp = d / 2;
+    let (sp0, sp1) = (fp8_spread(0), fp8_spread(1));
+    let mut s0 = [_mm512_setzero_ps(); NR];
+    let mut s1 = [_mm512_setzero_ps(); NR];
     for c4 in 0..d / 64 {
         let mut t = [Avx512::<true, true>(_mm512_setzero_ps()); W];
-        for (j, (tj, &kj)) in t.iter_mut().zip(k.iter()).enumerate() {
-            let (w0, w1) = fp8_bf16(l, _mm512_loadu_si512(kj.add(64 * c4) as *const _));
-            *tj = Avx512(_mm512_castsi512_ps(w0));
-            _mm512_storeu_si512(tmp.add(32 * j) as *mut _, w1);
+        for (tj, &kj) in t.iter_mut().zip(k.iter()) {
+            *tj = Avx512(_mm512_loadu_ps(kj.add(64 * c4) as *const f32));
         }
-        for half in 0..2 {
-            if half == 1 {
-                for (j, tj) in t.iter_mut().enumerate() {
-                    *tj = Avx512(_mm512_loadu_ps(tmp.add(32 * j) as *const f32));
-                }
-            }
-            <Avx512<true, true> as Simd>::transpose(&mut t);
-            let c2 = 2 * c4 + half;
-            for (i, v) in t.iter().enumerate() {
-                _mm512_storeu_ps(kp.add((c2 * W + i) * W) as *mut f32, v.0);
+        <Avx512<true, true> as Simd>::transpose(&mut t);
+        for (i, ti) in t.iter().enumerate() {
+            let x = _mm512_castps_si512(ti.0);
+            let k0: __m512bh = std::mem::transmute(fp8_words::<F>(_mm512_shuffle_epi8(x, sp0)));
+            let k1: __m512bh = std::mem::transmute(fp8_words::<F>(_mm512_shuffle_epi8(x, sp1)));
+            let pi = 32 * c4 + 2 * i;
+            for x in 0..NR {
+                let q0: __m512bh =
+                    std::mem::transmute(_mm512_set1_epi32(*q.add(x * dp + pi) as i32));
+                let q1: __m512bh =
+                    std::mem::transmute(_mm512_set1_epi32(*q.add(x * dp + pi + 1) as i32));
+                s0[x] = _mm512_dpbf16_ps(s0[x], q0, k0);
+                s1[x] = _mm512_dpbf16_ps(s1[x], q1, k1);
             }
         }
     }
+    let sc = _mm512_set1_ps(scale);
+    for x in 0..NR {
+        _mm512_storeu_ps(p.add(x * W), _mm512_mul_ps(_mm512_add_ps(s0[x], s1[x]), sc));
+    }
 }
 
-/// `acc[x][:] += sum_j p[x][j] * V_j` for `nr` (1..=`NR_MAX`) rows over fp8 V rows `v` (`njp`
-/// pairs of keys; a zero row for keys that are not real), P as bf16 key pairs (`pb` rows `W / 2`
-/// dwords apart), one `vdpbf16ps` per two keys and 16 dimensions; acc in the permuted layout.
+/// `acc[x][:] += sum_j p[x][j] * V_j` for `nr` (1..=4) rows over fp8 V rows `v` (`njp` pairs
+/// of keys; a zero row for keys that are not real), P as bf16 key pairs scaled by
+/// 2^`FP8_PRE` (`pb` rows `W / 2` dwords apart), one `vdpbf16ps` per two keys and 16
+/// dimensions, `acc` in dimension order (and 2^(bias - `FP8_PRE`) too small: the caller
+/// scales it once per item). Each pair of keys: 4 byte permutes (`vpermt2b`, zeroing the low
+/// bytes) put the two keys' codes of 16 dimensions side by side in the high bytes of a dword
+/// each, then `fp8_words`.
 #[inline(always)]
-pub unsafe fn fp8_pv(
-    l: &Fp8Lut,
+pub unsafe fn fp8_pv<const F: u8>(
     acc: *mut f32,
     pb: *const u32,
     d: usize,
@@ -324,22 +350,40 @@ pub unsafe fn fp8_pv(
     njp: usize,
 ) {
     match nr {
-        1 => fp8_pv_n::<1>(l, acc, pb, d, v, njp),
-        2 => fp8_pv_n::<2>(l, acc, pb, d, v, njp),
-        3 => fp8_pv_n::<3>(l, acc, pb, d, v, njp),
-        _ => fp8_pv_n::<4>(l, acc, pb, d, v, njp),
+        1 => fp8_pv_n::<F, 1>(acc, pb, d, v, njp),
+        2 => fp8_pv_n::<F, 2>(acc, pb, d, v, njp),
+        3 => fp8_pv_n::<F, 3>(acc, pb, d, v, njp),
+        _ => fp8_pv_n::<F, 4>(acc, pb, d, v, njp),
     }
 }
 
+/// Byte indices for `vpermt2b(a, idx, b)`: dword i of output `m` = [_, a[16 m + i], _,
+/// b[16 m + i]] (the even bytes are zeroed by the mask).
 #[inline(always)]
-unsafe fn fp8_pv_n<const NR: usize>(
-    l: &Fp8Lut,
+unsafe fn fp8_pair_idx(m: usize) -> __m512i {
+    let mut idx = [0u8; 64];
+    for (p, x) in idx.iter_mut().enumerate() {
+        let (i, b) = (p / 4, p % 4);
+        *x = (16 * m + i) as u8 + if b == 3 { 64 } else { 0 };
+    }
+    _mm512_loadu_si512(idx.as_ptr() as *const _)
+}
+
+#[inline(always)]
+unsafe fn fp8_pv_n<const F: u8, const NR: usize>(
     acc: *mut f32,
     pb: *const u32,
     d: usize,
     v: &[*const u8; W],
     njp: usize,
 ) {
+    const HIGH: __mmask64 = 0xAAAA_AAAA_AAAA_AAAA;
+    let idx = [
+        fp8_pair_idx(0),
+        fp8_pair_idx(1),
+        fp8_pair_idx(2),
+        fp8_pair_idx(3),
+    ];
     let mut c = 0;
     while c < d {
         let mut a = [[_mm512_setzero_ps(); 4]; NR];
@@ -349,15 +393,12 @@ unsafe fn fp8_pv_n<const NR: usize>(
             }
         }
         for jp in 0..njp {
-            let (a0, a1) = fp8_bf16(l, _mm512_loadu_si512(v[2 * jp].add(c) as *const _));
-            let (b0, b1) = fp8_bf16(l, _mm512_loadu_si512(v[2 * jp + 1].add(c) as *const _));
-            // key pairs per dword: vector m, lane 4 L + i = dimension 16 L + 4 m + i
-            let xs = [
-                _mm512_unpacklo_epi16(a0, b0),
-                _mm512_unpackhi_epi16(a0, b0),
-                _mm512_unpacklo_epi16(a1, b1),
-                _mm512_unpackhi_epi16(a1, b1),
-            ];
+            let va = _mm512_loadu_si512(v[2 * jp].add(c) as *const _);
+            let vb = _mm512_loadu_si512(v[2 * jp + 1].add(c) as *const _);
+            let mut xs = [_mm512_setzero_si512(); 4];
+            for (m, xm) in xs.iter_mut().enumerate() {
+                *xm = fp8_words::<F>(_mm512_maskz_permutex2var_epi8(HIGH, va, idx[m], vb));
+            }
             for x in 0..NR {
                 let pj: __m512bh =
                     std::mem::transmute(_mm512_set1_epi32(*pb.add(x * (W / 2) + jp) as i32));
@@ -473,6 +514,125 @@ mod tests {
                 "{e}: {} vs {want}",
                 acc[e]
             );
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi")]
+    unsafe fn fp8_words_of<const F: u8>(codes: &[u8; 32]) -> [u16; 32] {
+        let mut w = [0u16; 32];
+        for (x, &c) in w.iter_mut().zip(codes.iter()) {
+            *x = (c as u16) << 8;
+        }
+        let v = fp8_words::<F>(_mm512_loadu_si512(w.as_ptr() as *const _));
+        _mm512_storeu_si512(w.as_mut_ptr() as *mut _, v);
+        w
+    }
+
+    #[test]
+    fn fp8_words_are_the_values_times_a_power_of_two() {
+        if !crate::has_avx512() || !crate::has_vnni() || !is_x86_feature_detected!("avx512bf16") {
+            return;
+        }
+        for c0 in (0..256).step_by(32) {
+            let codes: [u8; 32] = std::array::from_fn(|i| (c0 + i) as u8);
+            let (w4, w5) = unsafe { (fp8_words_of::<4>(&codes), fp8_words_of::<5>(&codes)) };
+            for (i, &c) in codes.iter().enumerate() {
+                for (w, f, sub, conv) in [
+                    (
+                        w4[i],
+                        4u8,
+                        c & 0x78 == 0,
+                        crate::simd::e4m3_to_f32 as fn(u8) -> f32,
+                    ),
+                    (
+                        w5[i],
+                        5u8,
+                        c & 0x7c == 0,
+                        crate::simd::e5m2_to_f32 as fn(u8) -> f32,
+                    ),
+                ] {
+                    let got = f32::from_bits((w as u32) << 16) * (2f32).powi(fp8_bias(f));
+                    if sub {
+                        // subnormal codes: a bf16 subnormal (read as zero by `vdpbf16ps`)
+                        assert_eq!(w & 0x7f80, 0, "F={f} code {c:#x}");
+                        assert_eq!(w & 0x8000, (c as u16 & 0x80) << 8);
+                    } else if conv(c).is_finite() {
+                        assert_eq!(got, conv(c), "F={f} code {c:#x}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi")]
+    unsafe fn fp8_qk_pv<const F: u8>(
+        k: &[*const u8; W],
+        q: &[u32],
+        pb: &[u32],
+        p: &mut [f32],
+        acc: &mut [f32],
+    ) {
+        let d = 2 * q.len();
+        fp8_qk::<F>(k, d, 1, q.as_ptr(), 1.0, p.as_mut_ptr());
+        fp8_pv::<F>(acc.as_mut_ptr(), pb.as_ptr(), d, 1, k, W / 2);
+    }
+
+    #[test]
+    fn fp8_dot_products_match_scalar() {
+        if !crate::has_avx512() || !crate::has_vnni() || !is_x86_feature_detected!("avx512bf16") {
+            return;
+        }
+        let d = 128;
+        let bf = |x: f32| (x.to_bits() >> 16) as u16; // exact for the values below
+                                                      // normal codes only (exponent bits not all zero), both signs
+        let rows: Vec<Vec<u8>> = (0..W)
+            .map(|j| {
+                (0..d)
+                    .map(|e| (((j * 131 + e * 71) % 112) as u8 + 8) | ((e as u8 & 1) << 7))
+                    .collect()
+            })
+            .collect();
+        let k: [*const u8; W] = std::array::from_fn(|j| rows[j].as_ptr());
+        let qv: Vec<f32> = (0..d)
+            .map(|e| ((e * 29 % 17) as f32 - 8.0) * 0.25)
+            .collect();
+        let pre = (2f32).powi(FP8_PRE);
+        let q: Vec<u32> = (0..d / 2)
+            .map(|i| bf(qv[2 * i] * pre) as u32 | (bf(qv[2 * i + 1] * pre) as u32) << 16)
+            .collect();
+        let w: Vec<f32> = (0..W).map(|j| (j as f32 + 1.0) / 16.0).collect();
+        let pb: Vec<u32> = (0..W / 2)
+            .map(|i| bf(w[2 * i] * pre) as u32 | (bf(w[2 * i + 1] * pre) as u32) << 16)
+            .collect();
+        for (f, conv) in [
+            (4u8, crate::simd::e4m3_to_f32 as fn(u8) -> f32),
+            (5, crate::simd::e5m2_to_f32),
+        ] {
+            let (mut p, mut acc) = (vec![0f32; W], vec![0f32; d]);
+            unsafe {
+                if f == 4 {
+                    fp8_qk_pv::<4>(&k, &q, &pb, &mut p, &mut acc)
+                } else {
+                    fp8_qk_pv::<5>(&k, &q, &pb, &mut p, &mut acc)
+                }
+            };
+            let post = (2f32).powi(fp8_bias(f) - FP8_PRE);
+            for j in 0..W {
+                let want: f32 = (0..d).map(|e| qv[e] * conv(rows[j][e])).sum();
+                let got = p[j] * post;
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "F={f} key {j}: {got} vs {want}"
+                );
+            }
+            for e in 0..d {
+                let want: f32 = (0..W).map(|j| w[j] * conv(rows[j][e])).sum();
+                let got = acc[e] * post;
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "F={f} dim {e}: {got} vs {want}"
+                );
+            }
         }
     }
 
