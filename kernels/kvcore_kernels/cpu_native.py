@@ -362,8 +362,11 @@ def run(
     soft_cap: float | None,
     alibi_slopes: torch.Tensor | None,
     fp8_scale: torch.Tensor | None,
+    q_rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One layer's call: the caller checked the arguments; ``out`` is written in place."""
+    """One layer's call: the caller checked the arguments; ``out`` is written in place.
+    ``q_rotation`` (float32 ``[D, D]``, contiguous): the kernel uses ``query @ q_rotation``
+    rounded to the query's dtype, as ``QuantKVCache.rotate_in`` would give it."""
     _bind_openmp()
     hq, d = query.shape[1], query.shape[2]
     threads = torch.get_num_threads()
@@ -384,6 +387,7 @@ def run(
         float(scale), int(sliding_window or 0), float(soft_cap or 0.0),
         0 if alibi_slopes is None else alibi_slopes.data_ptr(),
         0 if fp8_scale is None else fp8_scale.data_ptr(),
+        0 if q_rotation is None else q_rotation.data_ptr(),
         bool(meta.num_released),
         work.work.ctypes.data, len(work.work), work.merges.ctypes.data, len(work.merges),
         work.partial.data_ptr(), work.max_rows,

@@ -10,6 +10,8 @@ starts as NaN (``make_batch``), so a stray read or an unwritten row fails.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hypothesis.strategies as st
 import kvcore_kernels as kk
 import numpy as np
@@ -430,6 +432,45 @@ def test_prefill_row_blocks_match_twin(heads, fmt, feature, gen, path):
     native = kk.paged_attention(b.query, cache, meta, **feats, backend="cpu", out=out)
     twin = kk.paged_attention(b.query, cache, meta, **feats, backend="torch")
     _compare(native, twin, dtype)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernel_rotates_the_query_of_a_rotated_cache(fmt, dtype, gen, path, monkeypatch):
+    """A cache storing K rotated (``rotate="k"``): the native kernel takes the query in the
+    model's basis and rotates it as it loads it (decode, prefill rows on the transposed path,
+    fused and per-head tasks); the answer is the twin's (which rotates the query by a torch
+    matmul), the query tensor is left as it was, and ``rotate_in`` is no longer called."""
+    bs, d = 16, 64
+    b = make_batch(gen, [(70, 37), (0, 1), (300, 1), (9, 40)], block_size=bs, num_q_heads=9,
+                   num_kv_heads=3, head_dim=d, dtype=dtype)  # fmt: skip
+    nb, _, _, hk, _ = b.kv_cache.shape
+    cache = allocate_kv_caches(fmt, 1, nb, bs, hk, d, dtype, "cpu", rotate="k")[0]
+    table = b.block_table.long()
+    slots = torch.cat(
+        [table[r, torch.arange(len(k)) // bs] * bs + torch.arange(len(k)) % bs
+         for r, k in enumerate(b.keys)]
+    )  # fmt: skip
+    kk.store_kv(torch.cat(b.keys), torch.cat(b.values), cache, slots, backend="torch")
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, bs)
+    query = b.query.clone()
+    twin = kk.paged_attention(query, cache, meta, scale=d**-0.5, backend="torch")
+    calls = []
+    rotate_in = type(cache).rotate_in
+
+    def counted(self, x, which):
+        calls.append(which)
+        return rotate_in(self, x, which)
+
+    monkeypatch.setattr(type(cache), "rotate_in", counted)
+    native = kk.paged_attention(query, cache, meta, scale=d**-0.5, backend="cpu")
+    assert torch.equal(query, b.query)
+    assert calls == []
+    _compare(native, twin, dtype)
+    # the same bytes read as unrotated K give another answer: the rotation is what agrees
+    unrotated = dataclasses.replace(cache, rotate="")
+    other = kk.paged_attention(query, unrotated, meta, scale=d**-0.5, backend="cpu")
+    assert (other.float() - twin.float()).abs().max() > 10 * TOL[dtype]
 
 
 def test_cascade_stops_at_a_released_block_and_at_the_last_token(gen):

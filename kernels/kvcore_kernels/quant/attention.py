@@ -36,6 +36,7 @@ def paged_attention_quant(
         )
     options.pop("block_mass", None)
     resolved = check_backend(backend, cache.device)
+    native_cpu = False
     if resolved == "triton":
         from kvcore_kernels.quant.attention_triton import paged_attention_quant_triton as run
     else:
@@ -44,16 +45,15 @@ def paged_attention_quant(
 
         native = resolved == "cpu" or (backend == "auto" and cache.device.type == "cpu")
         if native and attention_cpu.supports(cache):
-            run = attention_cpu.paged_attention_quant_cpu
+            run, native_cpu = attention_cpu.paged_attention_quant_cpu, True
     out = options.pop("out", None)
     rotated_v = "v" in cache.rotate
-    result = run(
-        cache.rotate_in(query, "k") if isinstance(query, torch.Tensor) else query,
-        cache,
-        meta,
-        out=None if rotated_v else out,
-        **options,
-    )
+    if native_cpu and "k" in cache.rotate:
+        # the native kernel rotates the query rows as it loads them
+        options["rotate_query"] = True
+    elif isinstance(query, torch.Tensor):
+        query = cache.rotate_in(query, "k")
+    result = run(query, cache, meta, out=None if rotated_v else out, **options)
     if not rotated_v:
         return result
     result = cache.rotate_out(result, "v")

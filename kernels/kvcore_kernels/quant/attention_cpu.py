@@ -51,9 +51,12 @@ def paged_attention_quant_cpu(
     soft_cap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    rotate_query: bool = False,
 ) -> torch.Tensor:
     """``paged_attention_quant_torch``'s contract by the native kernel; ``KernelConfigError``
-    for a cache it does not serve (``supports``)."""
+    for a cache it does not serve (``supports``). ``rotate_query``: ``query`` is in the model's
+    basis and the kernel rotates it by ``cache.rotation`` as it loads it (what
+    ``cache.rotate_in(query, "k")`` gives, without a torch matmul per call)."""
     shape = check_attention_args(
         query, shape_proxy(cache), meta, scale, sliding_window, soft_cap, alibi_slopes, out
     )
@@ -84,4 +87,12 @@ def paged_attention_quant_cpu(
         soft_cap=soft_cap,
         alibi_slopes=alibi_slopes,
         fp8_scale=fp8_scale,
+        q_rotation=_rotation(cache) if rotate_query else None,
     )
+
+
+def _rotation(cache: QuantKVCache) -> torch.Tensor:
+    r = cache.rotation
+    if r is None or r.dtype != torch.float32 or r.shape != (cache.head_dim, cache.head_dim):
+        raise KernelConfigError("rotate_query needs the cache's float32 [D, D] rotation")
+    return r if r.is_contiguous() else r.contiguous()

@@ -120,6 +120,9 @@ pub struct Call {
     pub alibi: *const f32,
     /// fp8: float32 [2, num_kv_heads] (K then V) per-head scales, or null
     pub fp8_scale: *const f32,
+    /// float32 [head_dim, head_dim]: the queries are used as `q @ q_rot`, rounded to their dtype
+    /// (a cache that stores K rotated, `QuantKVCache.rotate_in`), or null
+    pub q_rot: *const f32,
     pub released: bool,
     /// work items, 6 int64 each: req, tok0, ntok, key_lo, key_hi, partial offset (-1: none)
     pub work: *const i64,
@@ -457,6 +460,21 @@ unsafe fn pv_direct<S: Simd, const F: u8, const NR: usize>(
     }
 }
 
+/// `out = x @ rot` (`rot` float32 [d, d] row-major), fp32, k ascending (one FMA chain per
+/// output element, as a plain matrix product's).
+#[inline(always)]
+unsafe fn rotate_row<S: Simd>(x: &[f32], rot: *const f32, out: &mut [f32]) {
+    let d = x.len();
+    out.fill(0.0);
+    for (k, &a) in x.iter().enumerate() {
+        let (a, rk) = (S::splat(a), rot.add(k * d));
+        for cc in (0..d).step_by(W) {
+            let o = out.as_mut_ptr().add(cc);
+            a.fma(S::load(rk.add(cc)), S::load(o)).store(o);
+        }
+    }
+}
+
 /// Attention of work item `item` for KV heads `heads.0 .. heads.1` (one task); with all heads
 /// the item streams through its blocks once (a token's heads are adjacent in the cache).
 /// `scratch` holds `scratch_len(rows, d)` floats, `rows` = the item's query rows of those heads.
@@ -546,13 +564,28 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             *c.fp8_scale.add(hh)
         }
     };
-    for hh in (h0..h1).filter(|_| !cols) {
+    // A rotated call's query rows are rotated here into `kt` (free until the first tile), in
+    // the query's dtype, and read from there; the transposed path reads them from `qb`.
+    let rotated = !c.q_rot.is_null();
+    for hh in (h0..h1).filter(|_| !cols || rotated) {
         let qscale = c.scale * kscale_of(hh);
         for i in 0..ntok {
             let src = c.q.add((tok0 + i) * c.q_stride_tok * c.dt.size());
             for gg in 0..g {
-                let row = src.add((hh * g + gg) * c.q_stride_head * c.dt.size());
+                let mut row = src.add((hh * g + gg) * c.q_stride_head * c.dt.size());
                 let r = (hh - h0) * hrows + i * g + gg;
+                if rotated {
+                    let (raw, acc_r) = kt.split_at_mut(d);
+                    for (e, x) in raw.iter_mut().enumerate() {
+                        *x = c.dt.read(row, e);
+                    }
+                    rotate_row::<S>(raw, c.q_rot, &mut acc_r[..d]);
+                    let tmp = raw.as_mut_ptr() as *mut u8; // the rotated row, in the dtype
+                    for (e, &x) in acc_r[..d].iter().enumerate() {
+                        c.dt.write(tmp, e, x);
+                    }
+                    row = tmp;
+                }
                 let dst = &mut q[r * d..][..d];
                 for (e, x) in dst.iter_mut().enumerate() {
                     *x = c.dt.read(row, e) * qscale;
@@ -597,10 +630,15 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 let mut rows = [zero_row; W];
                 for (lane, row) in rows.iter_mut().enumerate().take(hrows - b * W) {
                     let rl = b * W + lane; // row of this head: token rl / g, query head rl % g
-                    *row = c.q.add(
-                        ((tok0 + rl / g) * c.q_stride_tok + (hh * g + rl % g) * c.q_stride_head)
-                            * c.dt.size(),
-                    );
+                    *row = if rotated {
+                        qb.add(((hh - h0) * hrows + rl) * d) as *const u8
+                    } else {
+                        c.q.add(
+                            ((tok0 + rl / g) * c.q_stride_tok
+                                + (hh * g + rl % g) * c.q_stride_head)
+                                * c.dt.size(),
+                        )
+                    };
                 }
                 for c2 in (0..dp).step_by(W) {
                     let mut tile = [S::splat(0.0); W];

@@ -14,7 +14,7 @@ use pyo3::prelude::*;
     kv, fmt, stride_block, stride_tok, stride_head, v_offset, scale_offset,
     num_q_heads, num_kv_heads, head_dim, block_size,
     qsl, seq_lens, table, table_stride,
-    scale, window, soft_cap, alibi, fp8_scale, released,
+    scale, window, soft_cap, alibi, fp8_scale, q_rot, released,
     work, num_items, merges, num_merges, partial, max_rows,
     threads, mode, isa, fuse_heads
 ))]
@@ -48,6 +48,7 @@ fn paged_attention(
     soft_cap: f32,
     alibi: usize,
     fp8_scale: usize,
+    q_rot: usize,
     released: bool,
     work: usize,
     num_items: usize,
@@ -119,6 +120,7 @@ fn paged_attention(
         soft_cap,
         alibi: alibi as *const f32,
         fp8_scale: fp8_scale as *const f32,
+        q_rot: q_rot as *const f32,
         released,
         work: work as *const i64,
         merges: merges as *const i64,
