@@ -54,10 +54,8 @@ def paged_attention(
     options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
                    alibi_slopes=alibi_slopes, out=out, block_mass=block_mass)  # fmt: skip
     if not isinstance(kv_cache, torch.Tensor):
-        from kvcore_kernels.quant.attention import paged_attention_quant
-        from kvcore_kernels.quant.cache import QuantKVCache
-
-        if isinstance(kv_cache, QuantKVCache):
+        quant_cache, paged_attention_quant = _quant()
+        if isinstance(kv_cache, quant_cache):
             return paged_attention_quant(query, kv_cache, meta, backend=backend, **options)
     check_kv_cache(kv_cache)
     resolved = check_backend(backend, kv_cache.device)
@@ -71,3 +69,17 @@ def paged_attention(
         if native and attention_cpu.supports(kv_cache, block_mass):
             run = attention_cpu.paged_attention_cpu
     return run(query, kv_cache, meta, **options)
+
+
+_QUANT = None
+
+
+def _quant():
+    """``QuantKVCache`` and ``paged_attention_quant``, imported on the first quantized call."""
+    global _QUANT
+    if _QUANT is None:
+        from kvcore_kernels.quant.attention import paged_attention_quant
+        from kvcore_kernels.quant.cache import QuantKVCache
+
+        _QUANT = (QuantKVCache, paged_attention_quant)
+    return _QUANT

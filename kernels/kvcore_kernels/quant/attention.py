@@ -40,9 +40,7 @@ def paged_attention_quant(
     if resolved == "triton":
         from kvcore_kernels.quant.attention_triton import paged_attention_quant_triton as run
     else:
-        from kvcore_kernels.quant import attention_cpu
-        from kvcore_kernels.quant.attention_torch import paged_attention_quant_torch as run
-
+        attention_cpu, run = _cpu_backends()
         native = resolved == "cpu" or (backend == "auto" and cache.device.type == "cpu")
         if native and attention_cpu.supports(cache):
             run, native_cpu = attention_cpu.paged_attention_quant_cpu, True
@@ -60,3 +58,18 @@ def paged_attention_quant(
     if out is None:
         return result
     return out.copy_(result)
+
+
+_CPU_BACKENDS = None
+
+
+def _cpu_backends():
+    """The native CPU backend's module and the torch twin, imported on the first call (an
+    import statement per call cost ~1 us each)."""
+    global _CPU_BACKENDS
+    if _CPU_BACKENDS is None:
+        from kvcore_kernels.quant import attention_cpu
+        from kvcore_kernels.quant.attention_torch import paged_attention_quant_torch
+
+        _CPU_BACKENDS = (attention_cpu, paged_attention_quant_torch)
+    return _CPU_BACKENDS
