@@ -89,6 +89,7 @@ impl Dt {
 }
 
 /// One call: pointers, strides (bytes for the cache, elements for q / out) and options.
+#[derive(Clone, Copy)]
 pub struct Call {
     pub q: *const u8,
     pub q_stride_tok: usize,
@@ -120,8 +121,8 @@ pub struct Call {
     pub alibi: *const f32,
     /// fp8: float32 [2, num_kv_heads] (K then V) per-head scales, or null
     pub fp8_scale: *const f32,
-    /// float32 [head_dim, head_dim]: the queries are used as `q @ q_rot`, rounded to their dtype
-    /// (a cache that stores K rotated, `QuantKVCache.rotate_in`), or null
+    /// float32 [head_dim, head_dim] or null: `lib::run` rotates the query rows by it first
+    /// (`rotate_rows`; a cache that stores K rotated, `QuantKVCache.rotate_in`)
     pub q_rot: *const f32,
     pub released: bool,
     /// work items, 6 int64 each: req, tok0, ntok, key_lo, key_hi, partial offset (-1: none)
@@ -460,25 +461,42 @@ unsafe fn pv_direct<S: Simd, const F: u8, const NR: usize>(
     }
 }
 
-/// `out = x @ rot` (`rot` float32 [d, d] row-major), fp32, k ascending (one FMA chain per
-/// output element, as a plain matrix product's), 64 outputs at a time in registers.
+/// The query rows of tokens `0..n_tok` (every query head) rotated: `dst` row `(t, h)` (`d`
+/// elements of the query's dtype, rows `d` apart) = the row of `c.q` times `c.q_rot` (float32
+/// `[d, d]` row-major), in fp32 with k ascending (one FMA chain per output element, as a
+/// plain matrix product's), rounded to the dtype (`QuantKVCache.rotate_in`). `lib::run` does
+/// this once per call, before the items, when `c.q_rot` is set; `x` holds `d` floats.
 #[inline(always)]
-unsafe fn rotate_row<S: Simd>(x: &[f32], rot: *const f32, out: &mut [f32]) {
-    let d = x.len();
-    let mut c = 0;
-    while c < d {
-        let n = ((d - c) / W).min(4); // vectors in this pass
-        let mut a = [S::splat(0.0); 4];
-        for (k, &xk) in x.iter().enumerate() {
-            let (xk, rk) = (S::splat(xk), rot.add(k * d + c));
-            for (i, ai) in a.iter_mut().enumerate().take(n) {
-                *ai = xk.fma(S::load(rk.add(i * W)), *ai);
+pub unsafe fn rotate_rows<S: Simd>(c: &Call, n_tok: usize, dst: *mut u8, x: &mut [f32]) {
+    let d = c.head_dim;
+    for t in 0..n_tok {
+        for h in 0..c.num_q_heads {
+            let row =
+                c.q.add((t * c.q_stride_tok + h * c.q_stride_head) * c.dt.size());
+            for (e, v) in x.iter_mut().enumerate() {
+                *v = c.dt.read(row, e);
+            }
+            let out = dst.add((t * c.num_q_heads + h) * d * c.dt.size());
+            let mut cc = 0;
+            while cc < d {
+                let n = ((d - cc) / W).min(4); // 64 outputs at a time, in registers
+                let mut a = [S::splat(0.0); 4];
+                for (k, &xk) in x.iter().enumerate() {
+                    let (xk, rk) = (S::splat(xk), c.q_rot.add(k * d + cc));
+                    for (i, ai) in a.iter_mut().enumerate().take(n) {
+                        *ai = xk.fma(S::load(rk.add(i * W)), *ai);
+                    }
+                }
+                let mut o = [0f32; W];
+                for (i, ai) in a.iter().enumerate().take(n) {
+                    ai.store(o.as_mut_ptr());
+                    for (l, &v) in o.iter().enumerate() {
+                        c.dt.write(out, cc + i * W + l, v);
+                    }
+                }
+                cc += n * W;
             }
         }
-        for (i, ai) in a.iter().enumerate().take(n) {
-            ai.store(out.as_mut_ptr().add(c + i * W));
-        }
-        c += n * W;
     }
 }
 
@@ -571,28 +589,13 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             *c.fp8_scale.add(hh)
         }
     };
-    // A rotated call's query rows are rotated here into `kt` (free until the first tile), in
-    // the query's dtype, and read from there; the transposed path reads them from `qb`.
-    let rotated = !c.q_rot.is_null();
-    for hh in (h0..h1).filter(|_| !cols || rotated) {
+    for hh in (h0..h1).filter(|_| !cols) {
         let qscale = c.scale * kscale_of(hh);
         for i in 0..ntok {
             let src = c.q.add((tok0 + i) * c.q_stride_tok * c.dt.size());
             for gg in 0..g {
-                let mut row = src.add((hh * g + gg) * c.q_stride_head * c.dt.size());
+                let row = src.add((hh * g + gg) * c.q_stride_head * c.dt.size());
                 let r = (hh - h0) * hrows + i * g + gg;
-                if rotated {
-                    let (raw, acc_r) = kt.split_at_mut(d);
-                    for (e, x) in raw.iter_mut().enumerate() {
-                        *x = c.dt.read(row, e);
-                    }
-                    rotate_row::<S>(raw, c.q_rot, &mut acc_r[..d]);
-                    let tmp = raw.as_mut_ptr() as *mut u8; // the rotated row, in the dtype
-                    for (e, &x) in acc_r[..d].iter().enumerate() {
-                        c.dt.write(tmp, e, x);
-                    }
-                    row = tmp;
-                }
                 let dst = &mut q[r * d..][..d];
                 for (e, x) in dst.iter_mut().enumerate() {
                     *x = c.dt.read(row, e) * qscale;
@@ -637,15 +640,10 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 let mut rows = [zero_row; W];
                 for (lane, row) in rows.iter_mut().enumerate().take(hrows - b * W) {
                     let rl = b * W + lane; // row of this head: token rl / g, query head rl % g
-                    *row = if rotated {
-                        qb.add(((hh - h0) * hrows + rl) * d) as *const u8
-                    } else {
-                        c.q.add(
-                            ((tok0 + rl / g) * c.q_stride_tok
-                                + (hh * g + rl % g) * c.q_stride_head)
-                                * c.dt.size(),
-                        )
-                    };
+                    *row = c.q.add(
+                        ((tok0 + rl / g) * c.q_stride_tok + (hh * g + rl % g) * c.q_stride_head)
+                            * c.dt.size(),
+                    );
                 }
                 for c2 in (0..dp).step_by(W) {
                     let mut tile = [S::splat(0.0); W];

@@ -40,6 +40,8 @@ use std::cell::RefCell;
 thread_local! {
     /// Per-thread scratch, grown to the largest item seen and kept (no allocation per call).
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's rotated query rows (`Call::q_rot`), grown and kept likewise.
+    static ROTATED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Whether this CPU runs the AVX-512 path (avx512f/bw/dq/vl).
@@ -213,6 +215,82 @@ fn item_fn(fmt: attend::Fmt, isa: u8) -> ItemFn {
     pick!(item_portable)
 }
 
+/// `attend::rotate_rows` compiled with target features `$feat`.
+macro_rules! rotate_instance {
+    ($name:ident, $feat:literal, $simd:ty) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feat)]
+        unsafe fn $name(c: &Call, n_tok: usize, dst: *mut u8, x: &mut [f32]) {
+            attend::rotate_rows::<$simd>(c, n_tok, dst, x)
+        }
+    };
+}
+
+rotate_instance!(rotate_avx2, "avx2,fma,f16c", avx2::Avx2);
+rotate_instance!(
+    rotate_avx512,
+    "avx512f,avx512bw,avx512dq,avx512vl,f16c,fma",
+    simd::Avx512<false>
+);
+
+/// `run`, with the query rows rotated first where `c.q_rot` is set (once per call, on the
+/// calling thread, into `ROTATED`; the items then read the rotated rows, `d` apart).
+///
+/// # Safety
+/// As `run_items`; `c.q_rot`, when set, points to `head_dim x head_dim` floats.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn run(
+    c: &Call,
+    num_items: usize,
+    num_merges: usize,
+    max_rows: usize,
+    threads: usize,
+    mode: pool::Mode,
+    isa: u8,
+    fuse_heads: bool,
+) -> Result<(), ()> {
+    if c.q_rot.is_null() {
+        return run_items(
+            c, num_items, num_merges, max_rows, threads, mode, isa, fuse_heads,
+        );
+    }
+    let (hq, d) = (c.num_q_heads, c.head_dim);
+    let mut n_tok = 0; // the tokens the items read: packed, from 0
+    for i in 0..num_items {
+        let w = std::slice::from_raw_parts(c.work.add(6 * i), 6);
+        n_tok = n_tok.max((w[1] + w[2]) as usize);
+    }
+    ROTATED.with(|b| {
+        let mut b = b.borrow_mut();
+        let rows = (n_tok * hq * d * c.dt.size()).div_ceil(4);
+        if b.len() < rows + d {
+            b.resize(rows + d, 0.0);
+        }
+        let (dst, x) = b.split_at_mut(rows);
+        let dst = dst.as_mut_ptr() as *mut u8;
+        let (avx512, avx2) = pick_isa(isa);
+        #[cfg(target_arch = "x86_64")]
+        if avx512 {
+            rotate_avx512(c, n_tok, dst, &mut x[..d]);
+        } else if avx2 {
+            rotate_avx2(c, n_tok, dst, &mut x[..d]);
+        }
+        if !cfg!(target_arch = "x86_64") || !(avx512 || avx2) {
+            attend::rotate_rows::<Portable>(c, n_tok, dst, &mut x[..d]);
+        }
+        let rc = Call {
+            q: dst,
+            q_stride_tok: hq * d,
+            q_stride_head: d,
+            q_rot: std::ptr::null(),
+            ..*c
+        };
+        run_items(
+            &rc, num_items, num_merges, max_rows, threads, mode, isa, fuse_heads,
+        )
+    })
+}
+
 /// Run every work item (all KV heads in one task if `fuse_heads`, else one task per KV head),
 /// then every merge group (one task per KV head); `isa`: `ISA_BEST`, `ISA_PORTABLE` or
 /// `ISA_AVX2`.
@@ -220,7 +298,8 @@ fn item_fn(fmt: attend::Fmt, isa: u8) -> ItemFn {
 /// # Safety
 /// Every pointer and stride of `c` must describe live memory of the stated shapes; `max_rows`
 /// bounds the rows (query tokens x query heads) of any item.
-pub unsafe fn run(
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_items(
     c: &Call,
     num_items: usize,
     num_merges: usize,
