@@ -129,9 +129,9 @@ def fuse_heads_for(fmt: int, query_dtype: torch.dtype | None = None) -> bool:
     as one run: AVX2 Zen 3, one thread, bf16 decode 1.2-1.5x faster, where a task per head
     reads 128 of every 384 bytes); and over int8 / fp8 where their AVX-512 VNNI / VBMI decode
     runs (bf16 queries, or ``query_dtype`` None): a block's heads are one contiguous run there,
-    and the heads' tiles overlap (Zen 4, one thread, decode 8 x 4K to 8 x 16K and 2 x 4K: int8
-    1.10-1.21x, fp8 1.03-1.19x faster warm; cold 1.02-1.16x and 0.92-1.13x). Not on AVX-512
-    over bf16 (0.87-1.04x there) nor on the widening int8 / fp8 path (8-17 % slower)."""
+    and the heads' tiles overlap (Zen 4, one thread, decode 8 x 4K to 8 x 16K and 2 x 4K, two
+    runs: int8 1.03-1.21x, fp8 1.03-1.19x faster warm; cold 1.02-1.16x and 0.92-1.13x). Not on
+    AVX-512 over bf16 (0.87-1.02x cold) nor on the widening int8 / fp8 path (8-17 % slower)."""
     if OPTIONS.fuse_heads is not None:
         return OPTIONS.fuse_heads
     avx512 = _isa() in (ISA_CODES["auto"], ISA_CODES["novnni"]) and _cpu_has_avx512()
