@@ -74,10 +74,11 @@ def _features(b, draw, device="cpu"):
     }
 
 
-def _quantized(b, fmt):
-    """The batch's K/V stored in a fresh ``fmt`` cache through each request's own blocks."""
+def _quantized(b, fmt, rotate=None):
+    """The batch's K/V stored in a fresh ``fmt`` cache through each request's own blocks
+    (``rotate``: as ``allocate_kv_caches``'s; None keeps the format's own)."""
     nb, _, bs, hk, d = b.kv_cache.shape
-    cache = allocate_kv_caches(fmt, 1, nb, bs, hk, d, b.kv_cache.dtype, "cpu")[0]
+    cache = allocate_kv_caches(fmt, 1, nb, bs, hk, d, b.kv_cache.dtype, "cpu", rotate=rotate)[0]
     table = b.block_table.long()
     slots = torch.cat(
         [table[r, torch.arange(len(k)) // bs] * bs + torch.arange(len(k)) % bs
@@ -438,20 +439,14 @@ def test_prefill_row_blocks_match_twin(heads, fmt, feature, gen, path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_kernel_rotates_the_query_of_a_rotated_cache(fmt, dtype, gen, path, monkeypatch):
     """A cache storing K rotated (``rotate="k"``): the native kernel takes the query in the
-    model's basis and rotates it as it loads it (decode, prefill rows on the transposed path,
-    fused and per-head tasks); the answer is the twin's (which rotates the query by a torch
-    matmul), the query tensor is left as it was, and ``rotate_in`` is no longer called."""
+    model's basis and rotates it once per call, before the items (decode, prefill rows on the
+    transposed path, fused and per-head tasks); the answer is the twin's (which rotates the
+    query by a torch matmul), the query tensor is left as it was, and ``rotate_in`` is no
+    longer called."""
     bs, d = 16, 64
     b = make_batch(gen, [(70, 37), (0, 1), (300, 1), (9, 40)], block_size=bs, num_q_heads=9,
                    num_kv_heads=3, head_dim=d, dtype=dtype)  # fmt: skip
-    nb, _, _, hk, _ = b.kv_cache.shape
-    cache = allocate_kv_caches(fmt, 1, nb, bs, hk, d, dtype, "cpu", rotate="k")[0]
-    table = b.block_table.long()
-    slots = torch.cat(
-        [table[r, torch.arange(len(k)) // bs] * bs + torch.arange(len(k)) % bs
-         for r, k in enumerate(b.keys)]
-    )  # fmt: skip
-    kk.store_kv(torch.cat(b.keys), torch.cat(b.values), cache, slots, backend="torch")
+    cache = _quantized(b, fmt, rotate="k")
     meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, bs)
     query = b.query.clone()
     twin = kk.paged_attention(query, cache, meta, scale=d**-0.5, backend="torch")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvcore_kernels.cache import check_backend
@@ -47,7 +49,7 @@ def paged_attention_quant(
     out = options.pop("out", None)
     rotated_v = "v" in cache.rotate
     if native_cpu and "k" in cache.rotate:
-        # the native kernel rotates the query rows as it loads them
+        # the native kernel rotates the query rows once per call, before its items
         options["rotate_query"] = True
     elif isinstance(query, torch.Tensor):
         query = cache.rotate_in(query, "k")
@@ -60,16 +62,11 @@ def paged_attention_quant(
     return out.copy_(result)
 
 
-_CPU_BACKENDS = None
-
-
+@functools.cache
 def _cpu_backends():
     """The native CPU backend's module and the torch twin, imported on the first call (an
     import statement per call cost ~1 us each)."""
-    global _CPU_BACKENDS
-    if _CPU_BACKENDS is None:
-        from kvcore_kernels.quant import attention_cpu
-        from kvcore_kernels.quant.attention_torch import paged_attention_quant_torch
+    from kvcore_kernels.quant import attention_cpu
+    from kvcore_kernels.quant.attention_torch import paged_attention_quant_torch
 
-        _CPU_BACKENDS = (attention_cpu, paged_attention_quant_torch)
-    return _CPU_BACKENDS
+    return attention_cpu, paged_attention_quant_torch

@@ -55,7 +55,7 @@ def paged_attention_quant_cpu(
 ) -> torch.Tensor:
     """``paged_attention_quant_torch``'s contract by the native kernel; ``KernelConfigError``
     for a cache it does not serve (``supports``). ``rotate_query``: ``query`` is in the model's
-    basis and the kernel rotates it by ``cache.rotation`` as it loads it (what
+    basis and the kernel rotates it by ``cache.rotation`` once per call, before its items (what
     ``cache.rotate_in(query, "k")`` gives, without a torch matmul per call)."""
     shape = check_attention_args(
         query, shape_proxy(cache), meta, scale, sliding_window, soft_cap, alibi_slopes, out

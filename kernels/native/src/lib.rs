@@ -233,11 +233,49 @@ rotate_instance!(
     simd::Avx512<false>
 );
 
-/// `run`, with the query rows rotated first where `c.q_rot` is set (once per call, on the
-/// calling thread, into `ROTATED`; the items then read the rotated rows, `d` apart).
+/// `c` with its query rows rotated (`c.q_rot`) into `buf`, `d` apart (`attend::rotate_rows`:
+/// once per call, on the calling thread, before the items).
+unsafe fn rotated_call(c: &Call, num_items: usize, isa: u8, buf: &mut Vec<f32>) -> Call {
+    let (hq, d) = (c.num_q_heads, c.head_dim);
+    let mut n_tok = 0; // the tokens the items read: packed, from 0
+    for i in 0..num_items {
+        let w = std::slice::from_raw_parts(c.work.add(6 * i), 6);
+        n_tok = n_tok.max((w[1] + w[2]) as usize);
+    }
+    let rows = (n_tok * hq * d * c.dt.size()).div_ceil(4);
+    if buf.len() < rows + d {
+        buf.resize(rows + d, 0.0);
+    }
+    let (dst, x) = buf.split_at_mut(rows);
+    let dst = dst.as_mut_ptr() as *mut u8;
+    let (avx512, avx2) = pick_isa(isa);
+    #[cfg(target_arch = "x86_64")]
+    if avx512 {
+        rotate_avx512(c, n_tok, dst, &mut x[..d]);
+    } else if avx2 {
+        rotate_avx2(c, n_tok, dst, &mut x[..d]);
+    }
+    if !cfg!(target_arch = "x86_64") || !(avx512 || avx2) {
+        attend::rotate_rows::<Portable>(c, n_tok, dst, &mut x[..d]);
+    }
+    Call {
+        q: dst,
+        q_stride_tok: hq * d,
+        q_stride_head: d,
+        q_rot: std::ptr::null(),
+        ..*c
+    }
+}
+
+/// Run every work item (all KV heads in one task if `fuse_heads`, else one task per KV head),
+/// then every merge group (one task per KV head); `isa`: `ISA_BEST`, `ISA_PORTABLE` or
+/// `ISA_AVX2`. Where `c.q_rot` is set the query rows are rotated first (`rotated_call`, into
+/// the calling thread's kept `ROTATED` buffer).
 ///
 /// # Safety
-/// As `run_items`; `c.q_rot`, when set, points to `head_dim x head_dim` floats.
+/// Every pointer and stride of `c` must describe live memory of the stated shapes; `max_rows`
+/// bounds the rows (query tokens x query heads) of any item; `c.q_rot`, when set, points to
+/// `head_dim x head_dim` floats.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn run(
     c: &Call,
@@ -249,93 +287,48 @@ pub unsafe fn run(
     isa: u8,
     fuse_heads: bool,
 ) -> Result<(), ()> {
-    if c.q_rot.is_null() {
-        return run_items(
-            c, num_items, num_merges, max_rows, threads, mode, isa, fuse_heads,
-        );
-    }
-    let (hq, d) = (c.num_q_heads, c.head_dim);
-    let mut n_tok = 0; // the tokens the items read: packed, from 0
-    for i in 0..num_items {
-        let w = std::slice::from_raw_parts(c.work.add(6 * i), 6);
-        n_tok = n_tok.max((w[1] + w[2]) as usize);
-    }
-    ROTATED.with(|b| {
-        let mut b = b.borrow_mut();
-        let rows = (n_tok * hq * d * c.dt.size()).div_ceil(4);
-        if b.len() < rows + d {
-            b.resize(rows + d, 0.0);
-        }
-        let (dst, x) = b.split_at_mut(rows);
-        let dst = dst.as_mut_ptr() as *mut u8;
-        let (avx512, avx2) = pick_isa(isa);
-        #[cfg(target_arch = "x86_64")]
-        if avx512 {
-            rotate_avx512(c, n_tok, dst, &mut x[..d]);
-        } else if avx2 {
-            rotate_avx2(c, n_tok, dst, &mut x[..d]);
-        }
-        if !cfg!(target_arch = "x86_64") || !(avx512 || avx2) {
-            attend::rotate_rows::<Portable>(c, n_tok, dst, &mut x[..d]);
-        }
-        let rc = Call {
-            q: dst,
-            q_stride_tok: hq * d,
-            q_stride_head: d,
-            q_rot: std::ptr::null(),
-            ..*c
-        };
-        run_items(
-            &rc, num_items, num_merges, max_rows, threads, mode, isa, fuse_heads,
-        )
-    })
-}
-
-/// Run every work item (all KV heads in one task if `fuse_heads`, else one task per KV head),
-/// then every merge group (one task per KV head); `isa`: `ISA_BEST`, `ISA_PORTABLE` or
-/// `ISA_AVX2`.
-///
-/// # Safety
-/// Every pointer and stride of `c` must describe live memory of the stated shapes; `max_rows`
-/// bounds the rows (query tokens x query heads) of any item.
-#[allow(clippy::too_many_arguments)]
-unsafe fn run_items(
-    c: &Call,
-    num_items: usize,
-    num_merges: usize,
-    max_rows: usize,
-    threads: usize,
-    mode: pool::Mode,
-    isa: u8,
-    fuse_heads: bool,
-) -> Result<(), ()> {
-    let f = item_fn(c.fmt, isa);
-    let hk = c.num_kv_heads;
-    let hpt = if fuse_heads { hk } else { 1 }; // KV heads per task
-    let per_item = hk / hpt;
-    let need = scratch_len(max_rows / hk * hpt, c.head_dim, hpt);
-    let task = |t: usize| {
-        (
-            t / per_item,
-            ((t % per_item) * hpt, (t % per_item) * hpt + hpt),
-        )
+    let mut rot_buf = Vec::new();
+    let rc;
+    let c = if c.q_rot.is_null() {
+        c
+    } else {
+        rot_buf = ROTATED.with(|b| std::mem::take(&mut *b.borrow_mut()));
+        rc = rotated_call(c, num_items, isa, &mut rot_buf);
+        &rc
     };
-    pool::for_each_ahead(num_items * per_item, threads, mode, &|t, next| {
-        SCRATCH.with(|s| {
-            let mut s = s.borrow_mut();
-            if s.len() < need {
-                s.resize(need, 0.0);
-            }
-            let (item, heads) = task(t);
-            unsafe { f(c, item, heads, next.map(task), &mut s[..need]) };
-        })
-    })?;
-    if num_merges > 0 {
-        pool::for_each(num_merges * hk, threads, mode, &|t| unsafe {
-            attend::merge(c, t / hk, t % hk)
+    let res = (|| -> Result<(), ()> {
+        let f = item_fn(c.fmt, isa);
+        let hk = c.num_kv_heads;
+        let hpt = if fuse_heads { hk } else { 1 }; // KV heads per task
+        let per_item = hk / hpt;
+        let need = scratch_len(max_rows / hk * hpt, c.head_dim, hpt);
+        let task = |t: usize| {
+            (
+                t / per_item,
+                ((t % per_item) * hpt, (t % per_item) * hpt + hpt),
+            )
+        };
+        pool::for_each_ahead(num_items * per_item, threads, mode, &|t, next| {
+            SCRATCH.with(|s| {
+                let mut s = s.borrow_mut();
+                if s.len() < need {
+                    s.resize(need, 0.0);
+                }
+                let (item, heads) = task(t);
+                unsafe { f(c, item, heads, next.map(task), &mut s[..need]) };
+            })
         })?;
+        if num_merges > 0 {
+            pool::for_each(num_merges * hk, threads, mode, &|t| unsafe {
+                attend::merge(c, t / hk, t % hk)
+            })?;
+        }
+        Ok(())
+    })();
+    if !rot_buf.is_empty() {
+        ROTATED.with(|b| *b.borrow_mut() = rot_buf); // kept for the next call
     }
-    Ok(())
+    res
 }
 
 #[cfg(target_arch = "x86_64")]
