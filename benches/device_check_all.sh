@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# One GPU check for a lent machine (issue 24 item 6): the engine step of issue 15 and the kernels
+# of issue 16 in one run, under 8 minutes, so that a 15-minute lease holds a run, a fix and a
+# second run. Stages (each under its own timeout, killed past it; the script goes on; logs to
+# $OUT, else /tmp):
+#   1. environment, kvcore's binary from KVCORE_WHEEL (as benches/device_check.sh)      ~10 s
+#   2. every CUDA-marked test (kernels, device plans, CUDA graphs), then the quantized-cache
+#      tests whole (CUDA where there is one), side by side, each in parallel workers where
+#      pytest-xdist is there (Triton's compiles use the CPU)             <= max(T1, T1B) s
+#   3. bench_e2e --device cuda --dtype bfloat16 --peers --no-b1 --profile-table: the
+#      decode step at 64 (decode_step_ms_b64, gpu_busy_pct_b64, device_ops_per_step),
+#      end to end against transformers' static batches, the profiler's table       <= T2 s
+#   4. bench_attention.py --device cuda --quick (decode b1 / b32 / b256, prefill vs SDPA) <= T3 s
+#   5. bench_quant.py --device cuda (every format at 32K, batch 1 and 8)              <= T4 s
+# Usage (the session's `run` tool, carry ["dist"]):
+#   maturin build --release -o dist                                   # here, with Rust
+#   KVCORE_WHEEL='dist/kvcore-*.whl' bash benches/device_check_all.sh [--only tests,e2e,sweep,quant]
+# --dry-run: no GPU, the plumbing only (tiny CPU shapes, the interpreter).
+# Timeouts: DEVICE_T1, _T1B, _T2, _T3, _T4 (default 90 / 90 / 170 / 80 / 80 s).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/python:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+LOGS="${OUT:-/tmp}"
+PY="${PYTHON:-python3}"
+DRY=0 ONLY="tests,e2e,sweep,quant"
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --dry-run) DRY=1 ;;
+        --only) ONLY=$2; shift ;;
+        *) echo "unknown argument $1" >&2; exit 2 ;;
+    esac
+    shift
+done
+want() { [[ ",$ONLY," == *",$1,"* ]]; }
+T1=${DEVICE_T1:-90} T1B=${DEVICE_T1B:-90} T2=${DEVICE_T2:-170} T3=${DEVICE_T3:-80} T4=${DEVICE_T4:-80}
+
+if [[ -n "${KVCORE_WHEEL:-}" ]]; then
+    $PY - "$KVCORE_WHEEL" <<'PY'
+import glob, sys, zipfile
+from pathlib import Path
+wheels = [Path(w) for w in sorted(glob.glob(sys.argv[1]))]
+if not wheels:
+    sys.exit(f"KVCORE_WHEEL={sys.argv[1]} matches no file")
+with zipfile.ZipFile(wheels[-1]) as z:
+    name = next(n for n in z.namelist() if n.startswith("kvcore/_kvcore") and n.endswith(".so"))
+    Path("python/kvcore/_kvcore.abi3.so").write_bytes(z.read(name))
+    print(f"kvcore binary from {wheels[-1].name}: {name}")
+PY
+fi
+
+$PY - <<'PY' 2>&1 | tee "$LOGS/device_env.log"
+import os, torch, triton, transformers
+print(f"python torch {torch.__version__} triton {triton.__version__} "
+      f"transformers {transformers.__version__} cuda {torch.version.cuda} cpus {os.cpu_count()}")
+if torch.cuda.is_available():
+    props = torch.cuda.get_device_properties(0)
+    print(f"gpu {props.name} sms {props.multi_processor_count} memory {props.total_memory >> 30} GiB")
+else:
+    print("gpu none (the cuda tests skip; only --dry-run makes sense here)")
+try:
+    import kvcore
+    print(f"kvcore {kvcore.__version__} (binary imports)")
+except Exception as e:  # no wheel given: the engine stages cannot run
+    print(f"kvcore does not import: {e}")
+PY
+HAVE_KVCORE=$(grep -c "binary imports" "$LOGS/device_env.log")
+
+RCDIR=$(mktemp -d)
+stage() {  # stage NAME TIMEOUT LOG COMMAND...: run under a timeout, tee to LOG, keep rc and time
+    local name=$1 limit=$2 log=$3; shift 3
+    local t=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee "$LOGS/$log"
+    echo "${PIPESTATUS[0]} $((SECONDS - t))" > "$RCDIR/$name"
+}
+
+if want tests; then
+    # Every CUDA-marked test (kernels, device plans, CUDA graphs), then the quantized-cache
+    # tests whole (they pick the device themselves: CUDA here).
+    MARK=(-m cuda) QTESTS=(tests/test_quant_kernels.py tests/test_quant_layout.py)
+    [[ $DRY == 1 ]] && MARK=(-k "device or ladder or bucket or fill") QTESTS=(-k fp8 "${QTESTS[@]}")
+    PAR=()
+    if [[ $DRY == 0 ]] && $PY -c "import xdist" 2>/dev/null; then PAR=(-n 6); fi
+    COMMON=(-p no:cacheprovider -o addopts="" --maxfail=30 -W ignore::DeprecationWarning -rfE)
+    # The two run side by side (correctness only; nothing timed runs meanwhile).
+    stage tests "$T1" device_tests.log $PY -m pytest -q "${MARK[@]}" "${PAR[@]}" tests/kernels \
+        tests/test_cuda_graphs.py "${COMMON[@]}" > /dev/null &
+    stage qtests "$T1B" device_qtests.log $PY -m pytest -q "${PAR[@]}" "${QTESTS[@]}" \
+        "${COMMON[@]}" > /dev/null &
+    wait
+fi
+
+if want e2e && [[ $HAVE_KVCORE == 1 ]]; then
+    BENCH=(--device cuda --dtype bfloat16 --peers --no-b1 --profile-table)
+    [[ $DRY == 1 ]] && BENCH=(--device cpu --requests 4 --eager)
+    stage e2e "$T2" device_e2e.log $PY benches/bench_e2e.py "${BENCH[@]}"
+fi
+
+if want sweep; then
+    SW=(--device cuda --quick)
+    [[ $DRY == 1 ]] && SW=(--device cuda --dry-run)
+    stage sweep "$T3" device_sweep.log $PY benches/bench_attention.py "${SW[@]}"
+fi
+
+if want quant; then
+    QA=(--device cuda)
+    [[ $DRY == 1 ]] && QA=(--dry-run)
+    stage quant "$T4" device_quant.log $PY benches/bench_quant.py "${QA[@]}"
+fi
+
+echo
+echo "================ kvcore device check (issues 15, 16, 24) ================"
+cat "$LOGS/device_env.log"
+bad=0
+for s in tests qtests e2e sweep quant; do
+    [[ -f "$RCDIR/$s" ]] || continue
+    read -r rc secs < "$RCDIR/$s"
+    echo "$s: rc=$rc ($secs s)"
+    [[ $rc != 0 ]] && bad=1
+    case $s in
+        tests | qtests)
+            grep -E ' in [0-9.]+s' "$LOGS/device_$s.log" | tail -1
+            grep -E '^(FAILED|ERROR)' "$LOGS/device_$s.log" | head -30 ;;
+        e2e)
+            PAT='^(kvcore_(tok_per_s|startup_s|compiled|engine_overhead_pct|all_blocks_free|recompiles_timed)'
+            PAT+='|compile_|capture_s|cuda_graphs|graph_memory|decode_step|gpu_busy|profiled_step|device_ops'
+            PAT+='|hf_.*_(tok_per_s|outputs_equal_kvcore)|best_peer|ratio_vs_best_peer|ttft_p50_ratio)'
+            grep -E "$PAT" "$LOGS/device_e2e.log" ;;
+        sweep)
+            grep -E '^(device|check_|copy_|targets|decode_|prefill_)' "$LOGS/device_sweep.log"
+            grep -E '^\| ' "$LOGS/device_sweep.log" ;;
+        quant)
+            grep -E '^(copy_|decode_speedup|decode_pct|store_over|check_|target_)' \
+                "$LOGS/device_quant.log" ;;
+    esac
+done
+exit $bad
