@@ -154,6 +154,9 @@ def main() -> None:
     ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     ap.add_argument("--peers", action="store_true", help="also run the transformers peers")
     ap.add_argument("--no-b1", action="store_true", help="skip the (slowest) batch-1 peer")
+    ap.add_argument(
+        "--static-only", action="store_true", help="peers: transformers' static batches only"
+    )
     ap.add_argument("--budget", type=int, default=2048, help="kvcore token budget per step")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--kv-format", default="auto", help="kvcore's KV storage format")
@@ -198,10 +201,11 @@ def main() -> None:
         hf_generate(model, wl.prompts[:bs], [2] * bs, batch_size=bs)  # warm-up, not timed
         peers.append(hf_generate(model, wl.prompts, wl.max_tokens, batch_size=bs))
     static8 = peers[sizes.index(8)]
-    peers += [
-        hf_continuous(model, wl.prompts, wl.max_tokens, None),
-        hf_continuous(model, wl.prompts, wl.max_tokens, 8),
-    ]
+    if not args.static_only:
+        peers += [
+            hf_continuous(model, wl.prompts, wl.max_tokens, None),
+            hf_continuous(model, wl.prompts, wl.max_tokens, 8),
+        ]
     for p in peers:
         match = sum(a == b for a, b in zip(kv_outputs, p.outputs, strict=True))
         print(f"{p.name}_tok_per_s: {p.tok_per_s:.1f} tok/s")
