@@ -1,17 +1,22 @@
 """The CUDA-graph ladder's bookkeeping on the CPU: sizes, buckets, padding rows that touch
 nothing, and a padded decode step that gives the unpadded logits (issue 15)."""
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from kvcore import InvalidArgumentError
-from kvcore.models.loader import tiny_llama
-from kvcore.runner.cuda_graphs import DecodeBuffers, graph_sizes
-from kvcore.runner.model_runner import ModelRunner
-from test_engine import SMALL
-from test_engine_runner import _plan
+
+if not torch.cuda.is_available():  # before any Triton module of kvcore_kernels is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvcore import InvalidArgumentError  # noqa: E402
+from kvcore.models.loader import tiny_llama  # noqa: E402
+from kvcore.runner.cuda_graphs import DecodeBuffers, _EmptyPlan, graph_sizes  # noqa: E402
+from kvcore.runner.model_runner import ModelRunner  # noqa: E402
+from test_engine import SMALL  # noqa: E402
+from test_engine_runner import _plan  # noqa: E402
 
 
 def test_ladder_sizes():
@@ -115,6 +120,50 @@ def test_padded_decode_equals_unpadded_and_touches_no_block(compile):
         assert torch.equal(c[~written], b[~written])  # every other slot, null block included
         torch.testing.assert_close(c[written], p[written], rtol=1e-5, atol=1e-5)
         assert not torch.equal(c[written], b[written])  # the real rows did write
+
+
+def test_replay_with_capture_time_metadata_equals_plain_step_on_triton():
+    """What a graph replays, without CUDA: the metadata is made once, at capture (every row
+    padding, planned for max_model_len), the inputs are refilled later, and the Triton kernels
+    (the interpreter here) read the buffers as device tensors. The seq_lens and block-table
+    views must be dense: a column view made the first H200 run read wrong lengths."""
+    torch.manual_seed(0)
+    model = tiny_llama(seed=0, **dict(SMALL, hidden_size=128))
+    runner = ModelRunner(
+        model, num_blocks=16, block_size=4, compile=False, max_num_seqs=8, max_model_len=32,
+        backend="triton",
+    )  # fmt: skip
+    runner.use_op = True  # the custom op, as the CUDA fast path runs it
+    buf = runner.decode_buffers
+    buf.fill(_EmptyPlan(), 4)
+    captured = buf.metadata(4, max_seq_len=runner.max_model_len)
+    assert captured.seq_lens.is_contiguous() and captured.block_table.stride(1) == 1
+    tables = [[3, 7], [1, 9, 2], [5]]
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (5, 9, 3)]
+    prefill = _plan(prompts, tables, 4, [0, 0, 0])
+    runner.execute(prefill, prefill.query_start_loc[1:] - 1)
+    decode = _plan([[11], [12], [13]], tables, 4, [5, 9, 3])
+    before = [c.clone() for c in runner.kv_caches]
+    want = runner.execute(decode, np.arange(3))
+    for c, b in zip(runner.kv_caches, before, strict=True):
+        c.copy_(b)
+    buf.fill(decode, 4)
+    with torch.inference_mode():
+        got = runner._decode_forward(4, captured)[:3]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_refuses_strided_metadata():
+    import kvcore_kernels as kk
+    from kvcore_kernels.errors import KernelConfigError
+
+    meta = kk.plan_attention(np.arange(3), np.array([3, 5]), np.array([[1, 2], [3, 4]]), 4)
+    wide = torch.zeros((2, 3), dtype=torch.int32)
+    meta.seq_lens = wide[:, 0]  # a column: stride 3
+    q = torch.randn(2, 2, 32)
+    cache = torch.zeros(8, 2, 4, 1, 32)
+    with pytest.raises(KernelConfigError, match="contiguous"):
+        kk.paged_attention(q, cache, meta, scale=0.1, backend="triton")
 
 
 # ---- on a GPU (skipped without CUDA): the same checks through real captured graphs ----------

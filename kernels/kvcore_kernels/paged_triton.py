@@ -263,6 +263,13 @@ def plan_launch(
     GQA groups the kernel is not compiled for, or tensors the Triton backend cannot run on.
     """
     check_triton_device(query, paged_attention_kernel)
+    # The kernel reads these as dense arrays (pointer + index; the table with a row stride):
+    # a strided view would read other requests' values (metadata built by hand, not by
+    # plan_attention, e.g. over a CUDA graph's static buffers).
+    if meta.query_start_loc.stride(0) != 1 or meta.seq_lens.stride(0) != 1:
+        raise KernelConfigError("query_start_loc and seq_lens must be contiguous")
+    if meta.block_table.dim() != 2 or meta.block_table.stride(1) != 1:
+        raise KernelConfigError("block_table rows must be contiguous")
     shape = call.shape
     hq, hk, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     group = hq // hk

@@ -4,9 +4,14 @@ A decode step of ``n`` requests is padded to the smallest captured size ``B >= n
 one launch instead of hundreds (vLLM's and SGLang's decode graphs, the idea of both). What a
 graph reads lives at fixed addresses, in ``DecodeBuffers``::
 
-    tokens    int64 [3, max_batch]            input_ids, positions, slot_mapping
-    requests  int32 [max_batch, 1 + width]    seq_len, then the block table padded with 0
-    query_start_loc int32 [max_batch + 1]     0, 1, 2, ... (one token per request)
+    tokens    int64 [3, max_batch]                 input_ids, positions, slot_mapping
+    requests  int32 [max_batch + max_batch * width]  seq_lens, then the block table's rows
+                                                   (padded with 0), each a contiguous view
+    query_start_loc int32 [max_batch + 1]          0, 1, 2, ... (one token per request)
+
+The kernels take ``seq_lens`` and the block table's rows as contiguous int32 (a Triton kernel
+reads ``seq_lens_ptr + i``): a column of a ``[max_batch, 1 + width]`` buffer read every
+request's length from the wrong row on the GPU (the first H200 run, 2026-12-04).
 
 Padding rows (``n <= row < B``) touch nothing: token 0 at position 0 stored at slot 0, which is
 in the null block (``store_kv`` skips every slot ``< block_size``); ``seq_len`` 1 over a block
@@ -54,9 +59,10 @@ class DecodeBuffers:
         )
         pin = device.type == "cuda"
         self.host_tokens = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=pin)
-        self.host_requests = torch.zeros((max_batch, 1 + width), dtype=torch.int32, pin_memory=pin)
+        size = max_batch * (1 + width)
+        self.host_requests = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         self.tokens = torch.zeros((3, max_batch), dtype=torch.int64, device=device)
-        self.requests = torch.zeros((max_batch, 1 + width), dtype=torch.int32, device=device)
+        self.requests = torch.zeros(size, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(max_batch, dtype=torch.int64, device=device)  # logits_to_keep
 
@@ -86,23 +92,33 @@ class DecodeBuffers:
         tok[1, :n] = plan.positions
         tok[2, :n] = plan.slot_mapping
         tok[:, n:batch] = 0  # token 0 at position 0 into slot 0: the null block, never stored
-        req = self.host_requests.numpy()
+        lens, table = self._views(self.host_requests)
         w = plan.block_table.shape[1]
-        req[:n, 0] = plan.seq_lens
-        req[:n, 1 : 1 + w] = plan.block_table
-        req[:n, 1 + w :] = 0
-        req[n:batch, 0] = 1  # one key, in the null block
-        req[n:batch, 1:] = 0
+        lens = lens.numpy()
+        table = table.numpy()
+        lens[:n] = plan.seq_lens
+        table[:n, :w] = plan.block_table
+        table[:n, w:] = 0
+        lens[n:batch] = 1  # one key, in the null block
+        table[n:batch] = 0
         self.tokens[:, :batch].copy_(self.host_tokens[:, :batch], non_blocking=True)
-        self.requests[:batch].copy_(self.host_requests[:batch], non_blocking=True)
+        used = self.max_batch + batch * self.width  # every length, then the used table rows
+        self.requests[:used].copy_(self.host_requests[:used], non_blocking=True)
+
+    def _views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seq_lens [max_batch], block table [max_batch, width]) views of ``flat``."""
+        b = self.max_batch
+        return flat[:b], flat[b:].view(b, self.width)
 
     def metadata(self, batch: int, max_seq_len: int | None = None) -> AttentionMetadata:
         """The step's metadata over the buffers' first ``batch`` rows (device views plus host
         copies of the staged values), attached to its ``seq_lens`` view for the custom op.
         ``max_seq_len``: the longest sequence the kernels should plan for (a graph is captured
         for the longest it will ever replay); default: the staged one."""
-        host = self.host_requests.numpy()[:batch].astype(np.int64)
-        lens, table = host[:, 0], host[:, 1:]
+        lens_t, table_t = self._views(self.host_requests)
+        lens = lens_t[:batch].numpy().astype(np.int64)
+        table = table_t[:batch].numpy().astype(np.int64)
+        dev_lens, dev_table = self._views(self.requests)
         meta = AttentionMetadata(
             num_reqs=batch,
             num_tokens=batch,
@@ -112,8 +128,8 @@ class DecodeBuffers:
             max_block_id=int(table.max()),
             device=self.device,
             query_start_loc=self.query_start_loc[: batch + 1],
-            seq_lens=self.requests[:batch, 0],
-            block_table=self.requests[:batch, 1:],
+            seq_lens=dev_lens[:batch],
+            block_table=dev_table[:batch],
             host_query_start_loc=np.arange(batch + 1, dtype=np.int64),
             host_seq_lens=lens,
             host_block_table=table,
