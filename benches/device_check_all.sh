@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # One GPU check for a lent machine (issue 24 item 6): the engine step of issue 15 and the kernels
-# of issue 16 in one run, under 8 minutes, so that a 15-minute lease holds a run, a fix and a
-# second run. Stages (each under its own timeout, killed past it; the script goes on; logs to
+# of issue 16 from one script. Results of its first runs (H200, 2026-12-04): docs/gpu.md. Stages (each under its own timeout, killed past it; the script goes on; logs to
 # $OUT, else /tmp):
 #   1. environment, kvcore's binary from KVCORE_WHEEL (as benches/device_check.sh)      ~10 s
-#   2. every CUDA-marked test (kernels, device plans, CUDA graphs), then the quantized-cache
-#      tests whole (CUDA where there is one), side by side, each in parallel workers where
-#      pytest-xdist is there (Triton's compiles use the CPU)             <= max(T1, T1B) s
+#   2. the CUDA-marked kernel tests and the quantized-cache tests (whole: CUDA where there is
+#      one), side by side, each in parallel workers where pytest-xdist is there (Triton's
+#      compiles use the CPU), then the CUDA-graph tests alone     <= max(T1, T1B) + T1C s
 #   3. bench_e2e --device cuda --dtype bfloat16 --peers --no-b1 --static-only --profile-table:
 #      the decode step at 64 (decode_step_ms_b64, gpu_busy_pct_b64, device_ops_per_step),
 #      end to end against transformers' static batches of 8 and 64 (its continuous
@@ -17,7 +16,10 @@
 #   maturin build --release -o dist                                   # here, with Rust
 #   KVCORE_WHEEL='dist/kvcore-*.whl' bash benches/device_check_all.sh [--only tests,e2e,sweep,quant]
 # --dry-run: no GPU, the plumbing only (tiny CPU shapes, the interpreter).
-# Test workers: DEVICE_WORKERS (default 8). Timeouts: DEVICE_T1, _T1B, _T2, _T3, _T4 (default 90 / 90 / 170 / 80 / 80 s).
+# Test workers: DEVICE_WORKERS (default 8). Timeouts: DEVICE_T1, _T1B, _T1C, _T2, _T3, _T4
+# (default 90 / 90 / 120 / 170 / 80 / 80 s). All stages take about 10 minutes, more than a
+# 15-minute lease can hold twice (the machine's start counts too): split them, e.g.
+# `--only tests,e2e` (about 7 minutes), then `--only sweep,quant` (about 2.5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/python:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -34,7 +36,7 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 want() { [[ ",$ONLY," == *",$1,"* ]]; }
-T1=${DEVICE_T1:-90} T1B=${DEVICE_T1B:-90} T2=${DEVICE_T2:-170} T3=${DEVICE_T3:-80} T4=${DEVICE_T4:-80}
+T1=${DEVICE_T1:-90} T1B=${DEVICE_T1B:-90} T1C=${DEVICE_T1C:-120} T2=${DEVICE_T2:-170} T3=${DEVICE_T3:-80} T4=${DEVICE_T4:-80}
 
 if [[ -n "${KVCORE_WHEEL:-}" ]]; then
     $PY - "$KVCORE_WHEEL" <<'PY'
@@ -76,19 +78,28 @@ stage() {  # stage NAME TIMEOUT LOG COMMAND...: run under a timeout, tee to LOG,
 }
 
 if want tests; then
-    # Every CUDA-marked test (kernels, device plans, CUDA graphs), then the quantized-cache
-    # tests whole (they pick the device themselves: CUDA here).
+    # The CUDA-marked kernel tests; the quantized-cache tests whole (they pick the device
+    # themselves: CUDA here).
     MARK=(-m cuda) QTESTS=(tests/test_quant_kernels.py tests/test_quant_layout.py)
     [[ $DRY == 1 ]] && MARK=(-k "device or ladder or bucket or fill") QTESTS=(-k fp8 "${QTESTS[@]}")
     PAR=()
     if [[ $DRY == 0 ]] && $PY -c "import xdist" 2>/dev/null; then PAR=(-n "${DEVICE_WORKERS:-8}"); fi
     COMMON=(-p no:cacheprovider -o addopts="" --maxfail=30 -W ignore::DeprecationWarning -rfE -v)
-    # The two run side by side (correctness only; nothing timed runs meanwhile).
+    # The kernel tests and the quantized-cache tests run side by side (correctness only;
+    # nothing timed runs meanwhile); the CUDA-graph tests after them, in one process without
+    # workers and each under a time limit, so that their reports are printed (the first H200
+    # run lost them when the parallel run outlasted its limit).
     stage tests "$T1" device_tests.log $PY -m pytest "${MARK[@]}" "${PAR[@]}" tests/kernels \
-        tests/test_cuda_graphs.py "${COMMON[@]}" > /dev/null &
+        "${COMMON[@]}" > /dev/null &
     stage qtests "$T1B" device_qtests.log $PY -m pytest "${PAR[@]}" "${QTESTS[@]}" \
         "${COMMON[@]}" > /dev/null &
     wait
+    PTO=()
+    $PY -c "import pytest_timeout" 2>/dev/null && PTO=(--timeout 100)
+    if [[ $HAVE_KVCORE == 1 ]]; then
+        stage graphs "$T1C" device_graphs.log $PY -m pytest "${MARK[@]}" "${PTO[@]}" \
+            tests/test_cuda_graphs.py "${COMMON[@]}" > /dev/null
+    fi
 fi
 
 if want e2e && [[ $HAVE_KVCORE == 1 ]]; then
@@ -113,13 +124,13 @@ echo
 echo "================ kvcore device check (issues 15, 16, 24) ================"
 cat "$LOGS/device_env.log"
 bad=0
-for s in tests qtests e2e sweep quant; do
+for s in tests qtests graphs e2e sweep quant; do
     [[ -f "$RCDIR/$s" ]] || continue
     read -r rc secs < "$RCDIR/$s"
     echo "$s: rc=$rc ($secs s)"
     [[ $rc != 0 ]] && bad=1
     case $s in
-        tests | qtests)
+        tests | qtests | graphs)
             grep -E ' in [0-9.]+s' "$LOGS/device_$s.log" | tail -1
             echo "$(grep -c ' PASSED ' "$LOGS/device_$s.log") PASSED lines"
             grep -E '^(FAILED|ERROR)' "$LOGS/device_$s.log" | head -30 ;;
