@@ -13,10 +13,17 @@ if not torch.cuda.is_available():  # before any Triton module of kvcore_kernels 
 
 from kvcore import InvalidArgumentError  # noqa: E402
 from kvcore.models.loader import tiny_llama  # noqa: E402
-from kvcore.runner.cuda_graphs import DecodeBuffers, _EmptyPlan, graph_sizes  # noqa: E402
+from kvcore.runner.cuda_graphs import (  # noqa: E402
+    CudaGraphs,
+    DecodeBuffers,
+    _EmptyPlan,
+    graph_sizes,
+)
 from kvcore.runner.model_runner import ModelRunner  # noqa: E402
 from test_engine import SMALL  # noqa: E402
 from test_engine_runner import _plan  # noqa: E402
+
+GPU = dict(SMALL, hidden_size=128)  # head_dim 32: a size the Triton kernels take
 
 
 def test_ladder_sizes():
@@ -153,6 +160,54 @@ def test_replay_with_capture_time_metadata_equals_plain_step_on_triton():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+class _EagerGraphs(CudaGraphs):
+    """CudaGraphs' protocol on the CPU: "capture" keeps the run and its capture-time metadata,
+    "replay" refills the buffers and reruns with that metadata, as a graph's kernels would."""
+
+    DEVICE_TYPE = "cpu"
+    replays = 0
+
+    def _begin(self):
+        pass
+
+    def _record(self, run, batch, meta):
+        run(batch, meta)
+        return run, batch, meta
+
+    def _play(self, recorded):
+        run, batch, meta = recorded
+        self.replays += 1
+        return run(batch, meta)
+
+    def _end(self):
+        pass
+
+
+def test_graph_protocol_on_triton_greedy_equals_eager():
+    """The engine with every decode step replayed CudaGraphs' way (capture-time metadata,
+    padded buckets, the Triton kernels under the interpreter) generates eager's tokens."""
+    from kvcore.entrypoints.llm import LLM
+    from kvcore.params import SamplingParams
+
+    model = tiny_llama(seed=3, **GPU)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, GPU["vocab_size"], n).tolist() for n in (3, 17, 9, 30, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 3, 9, 5, 7)]
+    kw = dict(block_size=16, num_blocks=64, max_num_seqs=8, seed=0)
+    want = LLM(model, enforce_eager=True, **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model, kernel_backend="triton", **kw)
+    runner = llm.engine.runner
+    runner.use_op = True  # the custom op, as on CUDA
+    graphs = _EagerGraphs(runner.decode_buffers, graph_sizes(8))
+    with torch.inference_mode():
+        graphs.capture(runner._decode_forward, runner.max_model_len)
+    runner.graphs = graphs
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert graphs.replays > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.all_blocks_free()
+
+
 def test_triton_refuses_strided_metadata():
     import kvcore_kernels as kk
     from kvcore_kernels.errors import KernelConfigError
@@ -167,8 +222,6 @@ def test_triton_refuses_strided_metadata():
 
 
 # ---- on a GPU (skipped without CUDA): the same checks through real captured graphs ----------
-
-GPU = dict(SMALL, hidden_size=128)  # head_dim 32: a size the Triton kernels take
 
 
 @pytest.mark.cuda

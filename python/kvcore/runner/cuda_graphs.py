@@ -144,41 +144,35 @@ class DecodeBuffers:
 
 
 class CudaGraphs:
-    """Captured decode graphs, one per ladder size, sharing one memory pool (CUDA only)."""
+    """Captured decode graphs, one per ladder size, sharing one memory pool (CUDA only).
+
+    The protocol (capture-time metadata per size, refill the buffers, replay, slice the real
+    rows) is plain Python; the CUDA parts are ``_begin`` / ``_record`` / ``_play`` / ``_end``,
+    which a test's CPU stand-in replaces with eager runs to check the protocol without a GPU."""
+
+    DEVICE_TYPE = "cuda"
 
     def __init__(self, buffers: DecodeBuffers, sizes: list[int]):
-        if buffers.device.type != "cuda":
+        if buffers.device.type != self.DEVICE_TYPE:
             raise InvalidArgumentError("CUDA graphs need a CUDA device")
         self.buffers, self.sizes = buffers, sizes
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]] = {}
+        self.graphs: dict[int, tuple[Any, Any]] = {}  # batch -> (what _record made, metadata)
         self.capture_seconds = 0.0
         self.memory_bytes = 0
 
     def capture(self, run: Callable[[int, Any], torch.Tensor], max_seq_len: int) -> None:
         """Capture ``run(batch, meta) -> logits [batch, vocab]`` for every size, largest first
-        (smaller graphs reuse the largest one's pool). Each size runs twice first (compiles its
-        shape, builds the kernels' cached work lists, so the capture itself copies nothing)."""
+        (smaller graphs reuse the largest one's pool). Each size's metadata is made here, once,
+        with every row padding and planned for ``max_seq_len``; replays only refill the
+        buffers it points at."""
         start = time.perf_counter()
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved()
-        pool = torch.cuda.graph_pool_handle()
+        self._begin()
         for batch in reversed(self.sizes):
             self.buffers.fill(_EmptyPlan(), batch)
             meta = self.buffers.metadata(batch, max_seq_len=max_seq_len)
-            side = torch.cuda.Stream()  # warm up off the default stream, as capture runs
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    run(batch, meta)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = run(batch, meta)
-            self.graphs[batch] = (graph, out, meta)  # meta keeps the work lists alive
-        torch.cuda.synchronize()
+            self.graphs[batch] = (self._record(run, batch, meta), meta)  # meta: work lists
+        self._end()
         self.capture_seconds = time.perf_counter() - start
-        self.memory_bytes = torch.cuda.memory_reserved() - before
 
     def replay(self, plan: Any) -> torch.Tensor | None:
         """Logits ``[n, vocab]`` of a decode-only ``plan`` (a view of the graph's output, valid
@@ -190,9 +184,36 @@ class CudaGraphs:
         if batch is None:
             return None
         self.buffers.fill(plan, batch)
-        graph, out, _ = self.graphs[batch]
+        return self._play(self.graphs[batch][0])[:n]
+
+    def _begin(self) -> None:
+        torch.cuda.synchronize()
+        self._before = torch.cuda.memory_reserved()
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def _record(self, run: Callable[[int, Any], torch.Tensor], batch: int, meta: Any) -> Any:
+        """Run twice off the default stream (compiles the shape, builds the kernels' cached
+        work lists, so the capture itself copies nothing), then capture."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run(batch, meta)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = run(batch, meta)
+        return graph, out
+
+    def _play(self, recorded: Any) -> torch.Tensor:
+        graph, out = recorded
         graph.replay()
-        return out[:n]
+        return out
+
+    def _end(self) -> None:
+        torch.cuda.synchronize()
+        self.memory_bytes = torch.cuda.memory_reserved() - self._before
 
 
 class _EmptyPlan:
