@@ -198,7 +198,8 @@ def main() -> None:
     sizes = ([] if args.no_b1 else [1]) + [8] + ([64] if args.device.startswith("cuda") else [])
     peers = []
     for bs in sizes:
-        hf_generate(model, wl.prompts[:bs], [2] * bs, batch_size=bs)  # warm-up, not timed
+        warm = wl.prompts[:bs]  # fewer than bs when --requests is small
+        hf_generate(model, warm, [2] * len(warm), batch_size=bs)  # warm-up, not timed
         peers.append(hf_generate(model, wl.prompts, wl.max_tokens, batch_size=bs))
     static8 = peers[sizes.index(8)]
     if not args.static_only:

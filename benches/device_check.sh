@@ -75,7 +75,7 @@ timeout 150 $PY -m pytest -q "${MARK[@]}" "${TESTS[@]}" -p no:cacheprovider -o a
 tests_rc=${PIPESTATUS[0]}
 t1=$SECONDS
 
-BENCH=(--device cuda --dtype bfloat16 --peers --no-b1 --profile-table)
+BENCH=(--device cuda --dtype bfloat16 --peers --no-b1 --static-only --profile-table)
 if [[ $DRY == 1 ]]; then BENCH=(--device cpu --requests 4 --eager); fi
 bench_rc=skipped
 if [[ $HAVE_KVCORE == 1 ]]; then
@@ -93,7 +93,7 @@ if [[ $SWEEP == 1 && $DRY == 0 && $left -gt 60 ]]; then
     grep -E '^\| ' "$LOGS/device_sweep.log"
 elif [[ $HAVE_KVCORE == 1 && $DRY == 0 && $left -gt 60 ]]; then
     timeout $((left < 110 ? left : 110)) $PY benches/bench_e2e.py --device cuda --dtype float32 \
-        --peers --no-b1 2>&1 | tee "$LOGS/device_bench_fp32.log"
+        --peers --no-b1 --static-only 2>&1 | tee "$LOGS/device_bench_fp32.log"
     fp32_rc=${PIPESTATUS[0]}
 fi
 t3=$SECONDS

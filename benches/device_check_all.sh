@@ -10,23 +10,26 @@
 #      the decode step at 64 (decode_step_ms_b64, gpu_busy_pct_b64, device_ops_per_step),
 #      end to end against transformers' static batches of 8 and 64 (its continuous
 #      batching ran past 90 s on the H200 and is left out), the profiler's table      <= T2 s
+#   3b. bench_e2e --device cuda --dtype float32 --peers --no-b1 --static-only --requests 16:
+#      fp32 greedy outputs through the graphs and the compiled forward equal transformers'
+#      generate (hf_*_outputs_equal_kvcore: 16/16)                                     <= T5 s
 #   4. bench_attention.py --device cuda --quick (decode b1 / b32 / b256, prefill vs SDPA) <= T3 s
 #   5. bench_quant.py --device cuda (every format at 32K, batch 1 and 8)              <= T4 s
 # Usage (the session's `run` tool, carry ["dist"]):
 #   maturin build --release -o dist                                   # here, with Rust
-#   KVCORE_WHEEL='dist/kvcore-*.whl' bash benches/device_check_all.sh [--only tests,e2e,sweep,quant]
+#   KVCORE_WHEEL='dist/kvcore-*.whl' bash benches/device_check_all.sh [--only tests,e2e,exact,sweep,quant]
 # --dry-run: no GPU, the plumbing only (tiny CPU shapes, the interpreter).
 # Test workers: DEVICE_WORKERS (default 8). Timeouts: DEVICE_T1, _T1B, _T1C, _T2, _T3, _T4
-# (default 90 / 90 / 120 / 170 / 80 / 80 s). All stages take about 10 minutes, more than a
+# (default 90 / 90 / 120 / 170 / 80 / 80 s), DEVICE_T5 (120 s). All stages take about 10 minutes, more than a
 # 15-minute lease can hold twice (the machine's start counts too): split them, e.g.
-# `--only tests,e2e` (about 7 minutes), then `--only sweep,quant` (about 2.5 minutes).
+# `--only tests,e2e` (about 7 minutes), then `--only exact,sweep,quant` (about 4.5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/python:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 LOGS="${OUT:-/tmp}"
 PY="${PYTHON:-python3}"
-DRY=0 ONLY="tests,e2e,sweep,quant"
+DRY=0 ONLY="tests,e2e,exact,sweep,quant"
 while [[ $# -gt 0 ]]; do
     case $1 in
         --dry-run) DRY=1 ;;
@@ -36,7 +39,7 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 want() { [[ ",$ONLY," == *",$1,"* ]]; }
-T1=${DEVICE_T1:-90} T1B=${DEVICE_T1B:-90} T1C=${DEVICE_T1C:-120} T2=${DEVICE_T2:-170} T3=${DEVICE_T3:-80} T4=${DEVICE_T4:-80}
+T1=${DEVICE_T1:-90} T1B=${DEVICE_T1B:-90} T1C=${DEVICE_T1C:-120} T2=${DEVICE_T2:-170} T3=${DEVICE_T3:-80} T4=${DEVICE_T4:-80} T5=${DEVICE_T5:-120}
 
 if [[ -n "${KVCORE_WHEEL:-}" ]]; then
     $PY - "$KVCORE_WHEEL" <<'PY'
@@ -108,6 +111,12 @@ if want e2e && [[ $HAVE_KVCORE == 1 ]]; then
     stage e2e "$T2" device_e2e.log $PY benches/bench_e2e.py "${BENCH[@]}"
 fi
 
+if want exact && [[ $HAVE_KVCORE == 1 ]]; then
+    EX=(--device cuda --dtype float32 --peers --no-b1 --static-only --requests 16)
+    [[ $DRY == 1 ]] && EX=(--device cpu --dtype float32 --peers --no-b1 --static-only --requests 4 --eager)
+    stage exact "$T5" device_exact.log $PY benches/bench_e2e.py "${EX[@]}"
+fi
+
 if want sweep; then
     SW=(--device cuda --quick)
     [[ $DRY == 1 ]] && SW=(--device cuda --dry-run)
@@ -124,7 +133,7 @@ echo
 echo "================ kvcore device check (issues 15, 16, 24) ================"
 cat "$LOGS/device_env.log"
 bad=0
-for s in tests qtests graphs e2e sweep quant; do
+for s in tests qtests graphs e2e exact sweep quant; do
     [[ -f "$RCDIR/$s" ]] || continue
     read -r rc secs < "$RCDIR/$s"
     echo "$s: rc=$rc ($secs s)"
@@ -139,6 +148,9 @@ for s in tests qtests graphs e2e sweep quant; do
             PAT+='|compile_|capture_s|cuda_graphs|graph_memory|decode_step|gpu_busy|profiled_step|device_ops'
             PAT+='|hf_.*_(tok_per_s|outputs_equal_kvcore)|best_peer|ratio_vs_best_peer|ttft_p50_ratio)'
             grep -E "$PAT" "$LOGS/device_e2e.log" ;;
+        exact)
+            grep -E '^(kvcore_(tok_per_s|compiled)|cuda_graphs|hf_.*_outputs_equal_kvcore)' \
+                "$LOGS/device_exact.log" ;;
         sweep)
             grep -E '^(device|check_|copy_|targets|decode_|prefill_)' "$LOGS/device_sweep.log"
             grep -E '^\| ' "$LOGS/device_sweep.log" ;;
