@@ -15,12 +15,14 @@
 #      generate (hf_*_outputs_equal_kvcore: 16/16)                                     <= T5 s
 #   4. bench_attention.py --device cuda --quick (decode b1 / b32 / b256, prefill vs SDPA) <= T3 s
 #   5. bench_quant.py --device cuda (every format at 32K, batch 1 and 8)              <= T4 s
+#   6. only when asked (--only ...,tune): benches/tune_cuda_decode.py, other decode launch
+#      choices (BLOCK_N, warps, stages, splits) on the shapes of stage 5                <= T6 s
 # Usage (the session's `run` tool, carry ["dist"]):
 #   maturin build --release -o dist                                   # here, with Rust
 #   KVCORE_WHEEL='dist/kvcore-*.whl' bash benches/device_check_all.sh [--only tests,e2e,exact,sweep,quant]
 # --dry-run: no GPU, the plumbing only (tiny CPU shapes, the interpreter).
 # Test workers: DEVICE_WORKERS (default 8). Timeouts: DEVICE_T1, _T1B, _T1C, _T2, _T3, _T4
-# (default 90 / 90 / 120 / 170 / 80 / 80 s), DEVICE_T5 (120 s). All stages take about 10 minutes, more than a
+# (default 90 / 90 / 120 / 170 / 80 / 80 s), DEVICE_T5 (120 s), DEVICE_T6 (180 s). All stages take about 10 minutes, more than a
 # 15-minute lease can hold twice (the machine's start counts too): split them, e.g.
 # `--only tests,e2e` (about 7 minutes), then `--only exact,sweep,quant` (about 4.5 minutes).
 set -uo pipefail
@@ -39,7 +41,7 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 want() { [[ ",$ONLY," == *",$1,"* ]]; }
-T1=${DEVICE_T1:-90} T1B=${DEVICE_T1B:-90} T1C=${DEVICE_T1C:-120} T2=${DEVICE_T2:-170} T3=${DEVICE_T3:-80} T4=${DEVICE_T4:-80} T5=${DEVICE_T5:-120}
+T1=${DEVICE_T1:-90} T1B=${DEVICE_T1B:-90} T1C=${DEVICE_T1C:-120} T2=${DEVICE_T2:-170} T3=${DEVICE_T3:-80} T4=${DEVICE_T4:-80} T5=${DEVICE_T5:-120} T6=${DEVICE_T6:-180}
 
 if [[ -n "${KVCORE_WHEEL:-}" ]]; then
     $PY - "$KVCORE_WHEEL" <<'PY'
@@ -129,11 +131,17 @@ if want quant; then
     stage quant "$T4" device_quant.log $PY benches/bench_quant.py "${QA[@]}"
 fi
 
+if want tune; then
+    TU=(--budget $((T6 - 40)))
+    [[ $DRY == 1 ]] && TU=(--dry-run --budget 20 --formats auto)
+    stage tune "$T6" device_tune.log $PY benches/tune_cuda_decode.py "${TU[@]}"
+fi
+
 echo
 echo "================ kvcore device check (issues 15, 16, 24) ================"
 cat "$LOGS/device_env.log"
 bad=0
-for s in tests qtests graphs e2e exact sweep quant; do
+for s in tests qtests graphs e2e exact sweep quant tune; do
     [[ -f "$RCDIR/$s" ]] || continue
     read -r rc secs < "$RCDIR/$s"
     echo "$s: rc=$rc ($secs s)"
@@ -154,6 +162,8 @@ for s in tests qtests graphs e2e exact sweep quant; do
         sweep)
             grep -E '^(device|check_|copy_|targets|decode_|prefill_)' "$LOGS/device_sweep.log"
             grep -E '^\| ' "$LOGS/device_sweep.log" ;;
+        tune)
+            grep -E '^(device|tune_)' "$LOGS/device_tune.log" ;;
         quant)
             grep -E '^(copy_|decode_speedup|decode_pct|store_over|check_|target_)' \
                 "$LOGS/device_quant.log" ;;

@@ -188,6 +188,13 @@ _paged_attention_prefill = triton.autotune(
 )(paged_attention_kernel)
 
 
+# Decode launches are not autotuned (a step's shapes change every step; autotuning would
+# time every config on live data): warps by BLOCK_M, a fixed K/V pipeline depth. Module
+# constants so that benches/tune_cuda_decode.py can try others on a GPU.
+DECODE_NUM_STAGES = 2
+DECODE_NUM_WARPS: int | None = None  # None: 4 for BLOCK_M <= 16, else 8
+
+
 def block_shape(decode_only: bool, group: int, row_bytes: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): query rows and keys per tile, smaller for wide rows (fp32, 256).
 
@@ -228,9 +235,9 @@ class PagedLaunch:
             or self.call.block_mass is not None  # it adds: autotuning trials would add too
             or is_interpreted(paged_attention_kernel)
         ):
-            warps = 4 if self.block_m <= 16 else 8
+            warps = DECODE_NUM_WARPS or (4 if self.block_m <= 16 else 8)
             paged_attention_kernel[self.grid](
-                **args, BLOCK_N=self.block_n, num_warps=warps, num_stages=2
+                **args, BLOCK_N=self.block_n, num_warps=warps, num_stages=DECODE_NUM_STAGES
             )
         else:
             _paged_attention_prefill[self.grid](**args)
