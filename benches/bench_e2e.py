@@ -33,6 +33,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import kvcore  # noqa: E402
@@ -157,6 +158,11 @@ def main() -> None:
     ap.add_argument(
         "--static-only", action="store_true", help="peers: transformers' static batches only"
     )
+    ap.add_argument(
+        "--require-equal",
+        action="store_true",
+        help="exit 1 unless every peer's greedy outputs equal kvcore's (fp32 exactness checks)",
+    )
     ap.add_argument("--budget", type=int, default=2048, help="kvcore token budget per step")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--kv-format", default="auto", help="kvcore's KV storage format")
@@ -207,8 +213,11 @@ def main() -> None:
             hf_continuous(model, wl.prompts, wl.max_tokens, None),
             hf_continuous(model, wl.prompts, wl.max_tokens, 8),
         ]
+    unequal = []
     for p in peers:
         match = sum(a == b for a, b in zip(kv_outputs, p.outputs, strict=True))
+        if match < len(kv_outputs):
+            unequal.append(p.name)
         print(f"{p.name}_tok_per_s: {p.tok_per_s:.1f} tok/s")
         print(f"{p.name}_ttft_p50_ms: {percentiles(p.ttft_s)[50] * 1e3:.1f} ms")
         print(f"{p.name}_outputs_equal_kvcore: {match}/{len(kv_outputs)} req")
@@ -217,6 +226,8 @@ def main() -> None:
     print(f"ratio_vs_best_peer: {summary.tok_per_s / best.tok_per_s:.2f} x")
     ttft8 = percentiles(static8.ttft_s)[50]
     print(f"ttft_p50_ratio_vs_static8: {ttft8 / percentiles(summary.ttft_s)[50]:.2f} x")
+    if args.require_equal and unequal:
+        sys.exit(f"bench_e2e: greedy outputs differ from kvcore's in {', '.join(unequal)}")
 
 
 if __name__ == "__main__":

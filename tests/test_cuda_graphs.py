@@ -129,6 +129,14 @@ def test_padded_decode_equals_unpadded_and_touches_no_block(compile):
         assert not torch.equal(c[written], b[written])  # the real rows did write
 
 
+# The Triton kernels on CPU tensors: only under the interpreter (set above where no GPU is).
+needs_interpreter = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1",
+)
+
+
+@needs_interpreter
 def test_replay_with_capture_time_metadata_equals_plain_step_on_triton():
     """What a graph replays, without CUDA: the metadata is made once, at capture (every row
     padding, planned for max_model_len), the inputs are refilled later, and the Triton kernels
@@ -183,6 +191,7 @@ class _EagerGraphs(CudaGraphs):
         pass
 
 
+@needs_interpreter
 def test_graph_protocol_on_triton_greedy_equals_eager():
     """The engine with every decode step replayed CudaGraphs' way (capture-time metadata,
     padded buckets, the Triton kernels under the interpreter) generates eager's tokens."""
@@ -208,15 +217,26 @@ def test_graph_protocol_on_triton_greedy_equals_eager():
     assert llm.engine.all_blocks_free()
 
 
-def test_triton_refuses_strided_metadata():
+@pytest.mark.parametrize("field", ["seq_lens", "query_start_loc", "block_table"])
+def test_triton_refuses_strided_metadata(field):
     import kvcore_kernels as kk
     from kvcore_kernels.errors import KernelConfigError
 
-    meta = kk.plan_attention(np.arange(3), np.array([3, 5]), np.array([[1, 2], [3, 4]]), 4)
-    wide = torch.zeros((2, 3), dtype=torch.int32)
-    meta.seq_lens = wide[:, 0]  # a column: stride 3
-    q = torch.randn(2, 2, 32)
-    cache = torch.zeros(8, 2, 4, 1, 32)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    meta = kk.plan_attention(
+        np.arange(3), np.array([3, 5]), np.array([[1, 2], [3, 4]]), 4, device=dev
+    )
+    good = getattr(meta, field)
+    if field == "block_table":  # rows of stride 1 no more: a transposed copy's view
+        strided = good.t().contiguous().t()
+    else:  # every other element of a twice-as-long buffer
+        strided = torch.zeros(2 * good.numel(), dtype=good.dtype, device=dev)[::2]
+        strided.copy_(good)
+    setattr(meta, field, strided)
+    q = torch.randn(2, 2, 32, device=dev)
+    cache = torch.zeros(8, 2, 4, 1, 32, device=dev)
     with pytest.raises(KernelConfigError, match="contiguous"):
         kk.paged_attention(q, cache, meta, scale=0.1, backend="triton")
 

@@ -46,7 +46,12 @@ from kvcore_kernels.schedule import (
     work_tiles,
 )
 from kvcore_kernels.splits_triton import choose_num_splits, merge_splits_kernel
-from kvcore_kernels.triton_util import check_triton_device, compute_dtype, is_interpreted
+from kvcore_kernels.triton_util import (
+    check_dense_metadata,
+    check_triton_device,
+    compute_dtype,
+    is_interpreted,
+)
 
 # The arguments of every KV_LOOP, in the order the kernel passes them (positionally; a test
 # checks each loop's signature against it).
@@ -270,13 +275,7 @@ def plan_launch(
     GQA groups the kernel is not compiled for, or tensors the Triton backend cannot run on.
     """
     check_triton_device(query, paged_attention_kernel)
-    # The kernel reads these as dense arrays (pointer + index; the table with a row stride):
-    # a strided view would read other requests' values (metadata built by hand, not by
-    # plan_attention, e.g. over a CUDA graph's static buffers).
-    if meta.query_start_loc.stride(0) != 1 or meta.seq_lens.stride(0) != 1:
-        raise KernelConfigError("query_start_loc and seq_lens must be contiguous")
-    if meta.block_table.dim() != 2 or meta.block_table.stride(1) != 1:
-        raise KernelConfigError("block_table rows must be contiguous")
+    check_dense_metadata(meta)
     shape = call.shape
     hq, hk, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     group = hq // hk

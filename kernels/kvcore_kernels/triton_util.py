@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton.language as tl
 
@@ -25,6 +27,18 @@ def check_triton_device(tensor: torch.Tensor, kernel: object) -> None:
         f"the Triton backend cannot run on {tensor.device} here: it needs CUDA tensors, or CPU "
         "tensors with TRITON_INTERPRET=1 set before kvcore_kernels' Triton modules are imported"
     )
+
+
+def check_dense_metadata(meta: Any) -> None:
+    """The kernels read ``query_start_loc`` and ``seq_lens`` as dense arrays (pointer + index)
+    and the block table through its row stride only: a strided view (metadata built by hand,
+    not by ``plan_attention``, e.g. over a CUDA graph's static buffers) would read other
+    requests' values. Raises ``KernelConfigError`` for one."""
+    qsl, lens, table = meta.query_start_loc, meta.seq_lens, meta.block_table
+    if qsl.stride(0) != 1 or lens.stride(0) != 1:
+        raise KernelConfigError("query_start_loc and seq_lens must be contiguous")
+    if table.dim() != 2 or table.stride(1) != 1:
+        raise KernelConfigError("block_table rows must be contiguous")
 
 
 def compute_dtype(dtype: torch.dtype, kernel: object) -> tl.dtype:

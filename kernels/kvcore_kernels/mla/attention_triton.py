@@ -31,7 +31,7 @@ from kvcore_kernels.mla.cache import (
 from kvcore_kernels.plan import AttentionMetadata
 from kvcore_kernels.schedule import LOG2E, work_tiles
 from kvcore_kernels.softmax_triton import online_softmax
-from kvcore_kernels.triton_util import check_triton_device, compute_dtype
+from kvcore_kernels.triton_util import check_dense_metadata, check_triton_device, compute_dtype
 
 MIN_ROWS = 16  # tl.dot wants at least 16 rows
 
@@ -204,6 +204,7 @@ def mla_attention_triton(
             "the Triton MLA kernels do not read FP8 latents yet: backend='torch'"
         )
     check_triton_device(cache, _mla_decode_kernel)
+    check_dense_metadata(meta)
     h, r, rope = s.num_heads, s.kv_lora_rank, s.rope_dim
     if out is None:
         out = torch.empty((meta.num_tokens, h, s.v_dim), dtype=cache.dtype, device=cache.device)
