@@ -26,6 +26,18 @@ from test_engine_runner import _plan  # noqa: E402
 GPU = dict(SMALL, hidden_size=128)  # head_dim 32: a size the Triton kernels take
 
 
+def _greedy_case(device: str = "cpu"):
+    """The tiny model, five prompts of mixed lengths, greedy params and engine options."""
+    from kvcore.params import SamplingParams
+
+    model = tiny_llama(seed=3, **GPU).to(device)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, GPU["vocab_size"], n).tolist() for n in (3, 17, 9, 30, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 3, 9, 5, 7)]
+    kw = dict(block_size=16, num_blocks=64, max_num_seqs=8, seed=0, device=device)
+    return model, prompts, params, kw
+
+
 def test_ladder_sizes():
     assert graph_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
@@ -196,13 +208,8 @@ def test_graph_protocol_on_triton_greedy_equals_eager():
     """The engine with every decode step replayed CudaGraphs' way (capture-time metadata,
     padded buckets, the Triton kernels under the interpreter) generates eager's tokens."""
     from kvcore.entrypoints.llm import LLM
-    from kvcore.params import SamplingParams
 
-    model = tiny_llama(seed=3, **GPU)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, GPU["vocab_size"], n).tolist() for n in (3, 17, 9, 30, 5)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 3, 9, 5, 7)]
-    kw = dict(block_size=16, num_blocks=64, max_num_seqs=8, seed=0)
+    model, prompts, params, kw = _greedy_case()
     want = LLM(model, enforce_eager=True, **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(model, kernel_backend="triton", **kw)
     runner = llm.engine.runner
@@ -248,13 +255,8 @@ def test_triton_refuses_strided_metadata(field):
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_graph_greedy_equals_eager(compile):
     from kvcore.entrypoints.llm import LLM
-    from kvcore.params import SamplingParams
 
-    model = tiny_llama(seed=3, **GPU).to("cuda")
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, GPU["vocab_size"], n).tolist() for n in (3, 17, 9, 30, 5)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 3, 9, 5, 7)]
-    kw = dict(block_size=16, num_blocks=64, max_num_seqs=8, seed=0, device="cuda")
+    model, prompts, params, kw = _greedy_case("cuda")
     want = LLM(model, enforce_eager=True, **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(model, compile=compile, **kw)
     runner = llm.engine.runner

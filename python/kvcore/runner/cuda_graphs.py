@@ -65,6 +65,9 @@ class DecodeBuffers:
         self.requests = torch.zeros(size, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(max_batch, dtype=torch.int64, device=device)  # logits_to_keep
+        # NumPy views of the host staging (made once: fill runs every decode step)
+        self._tok = self.host_tokens.numpy()
+        self._lens, self._table = (t.numpy() for t in self._views(self.host_requests))
 
     def bucket(self, n: int, sizes: list[int]) -> int | None:
         """The smallest captured size that holds ``n`` requests (None: none does)."""
@@ -87,15 +90,12 @@ class DecodeBuffers:
         fits = len(plan.input_ids) == n and plan.block_table.shape[1] <= self.width
         if not fits or not n <= batch <= self.max_batch:
             raise InvalidArgumentError(f"a decode step of {n} rows does not fit batch {batch}")
-        tok = self.host_tokens.numpy()
+        tok, lens, table = self._tok, self._lens, self._table
         tok[0, :n] = plan.input_ids
         tok[1, :n] = plan.positions
         tok[2, :n] = plan.slot_mapping
         tok[:, n:batch] = 0  # token 0 at position 0 into slot 0: the null block, never stored
-        lens, table = self._views(self.host_requests)
         w = plan.block_table.shape[1]
-        lens = lens.numpy()
-        table = table.numpy()
         lens[:n] = plan.seq_lens
         table[:n, :w] = plan.block_table
         table[:n, w:] = 0
@@ -115,9 +115,8 @@ class DecodeBuffers:
         copies of the staged values), attached to its ``seq_lens`` view for the custom op.
         ``max_seq_len``: the longest sequence the kernels should plan for (a graph is captured
         for the longest it will ever replay); default: the staged one."""
-        lens_t, table_t = self._views(self.host_requests)
-        lens = lens_t[:batch].numpy().astype(np.int64)
-        table = table_t[:batch].numpy().astype(np.int64)
+        lens = self._lens[:batch].astype(np.int64)
+        table = self._table[:batch].astype(np.int64)
         dev_lens, dev_table = self._views(self.requests)
         meta = AttentionMetadata(
             num_reqs=batch,
