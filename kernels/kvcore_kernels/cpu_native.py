@@ -84,7 +84,8 @@ class Options:
 
     mode: str = os.environ.get("KVCORE_NATIVE_THREADS", "omp")
     portable: bool = os.environ.get("KVCORE_NATIVE_PORTABLE", "") not in ("", "0")
-    # auto | avx2 | portable | novnni (the best without the VNNI int8 / VBMI fp8 decode)
+    # auto | avx2 | portable | novnni (the best without the VNNI int8 / VBMI fp8 decode) |
+    # noamx (the best without AMX tiles on the prefill path)
     isa: str = os.environ.get("KVCORE_NATIVE_ISA", "auto")
     split_keys: int | None = None  # tests: split every item into runs of this many keys
     # one task per item for all its KV heads (True), one per KV head (False), or by the code
@@ -101,8 +102,8 @@ class Options:
 
 
 OPTIONS = Options()
-# the extension's ISA_BEST / _PORTABLE / _AVX2 / _NO_VNNI
-ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "novnni": 3}
+# the extension's ISA_BEST / _PORTABLE / _AVX2 / _NO_VNNI / _NO_AMX
+ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "novnni": 3, "noamx": 4}
 
 
 def _isa() -> int:
@@ -134,11 +135,11 @@ def fuse_heads_for(fmt: int, query_dtype: torch.dtype | None = None) -> bool:
     AVX-512 over bf16 (0.87-1.02x cold) nor on the widening int8 / fp8 path (8-17 % slower)."""
     if OPTIONS.fuse_heads is not None:
         return OPTIONS.fuse_heads
-    avx512 = _isa() in (ISA_CODES["auto"], ISA_CODES["novnni"]) and _cpu_has_avx512()
+    avx512 = _isa() != ISA_CODES["portable"] and _isa() != ISA_CODES["avx2"] and _cpu_has_avx512()
     if fmt in (FMT_INT8, FMT_E4M3, FMT_E5M2):
         return (
             avx512
-            and _isa() == ISA_CODES["auto"]
+            and _isa() in (ISA_CODES["auto"], ISA_CODES["noamx"])
             and _cpu_has_vnni()
             and query_dtype in (None, torch.bfloat16)
         )
@@ -154,7 +155,9 @@ def _cpu_has_vnni() -> bool:
 
 def features() -> dict[str, bool]:
     """What the extension found: the AVX-512 path, AVX-512 BF16, AVX-512 VNNI + VBMI (the int8
-    / fp8 decode), the AVX2 path, torch's ``GOMP_parallel``."""
+    / fp8 decode), AMX-BF16 tiles granted by the OS (the prefill path's products and the small
+    linear above 8 rows; ``KVCORE_NATIVE_NO_AMX=1`` turns them off, ``KVCORE_NATIVE_ISA=noamx``
+    for the attention alone), the AVX2 path, torch's ``GOMP_parallel``."""
     if _native is None:
         return {"native": False}
     _bind_openmp()
@@ -468,5 +471,5 @@ def linear(
     _bind_openmp()
     _native.linear(
         x, x_stride, rows, k, w, n_out, bias, out, out_stride, torch.get_num_threads(),
-        MODES[OPTIONS.mode], _isa() != 0, glu, linear_tall_allowed(),
+        MODES[OPTIONS.mode], _isa() not in (0, ISA_CODES["noamx"]), glu, linear_tall_allowed(),
     )  # fmt: skip

@@ -71,6 +71,19 @@ def has_amx() -> bool:
 _AMX: bool | None = None
 
 
+def amx_path() -> bool:
+    """Whether the native kernel runs calls of more than ``AMX_MIN_ROWS`` rows on AMX tiles:
+    the CPU has them and Linux granted this process their state (``cpu_native.features()``'s
+    ``amx``), ``KVCORE_NATIVE_NO_AMX`` unset. There its panels stream at 1.1-1.5x oneDNN's
+    speed up to ~128 rows (``benches/bench_linear_cpu.py``)."""
+    return bool(fast_path() and cpu_native.features().get("amx"))
+
+
+#: Rows above which the native kernel takes its AMX tiles (below: AVX-512 BF16 dot products),
+#: ``linear.rs``'s ``AMX_MIN_ROWS``.
+AMX_MIN_ROWS = 8
+
+
 def fast_path() -> bool:
     """Whether the native kernel has its AVX-512 BF16 path on this CPU."""
     return cpu_native.linear_fast_path()

@@ -30,12 +30,18 @@ BLOCK_SIZES = [8, 12, 16, 32, 64, 128]
 QUANT = ["int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_tensor"]
 
 
-@pytest.fixture(params=["avx512", "avx2", "portable"])
+@pytest.fixture(params=["avx512", "avx512-noamx", "avx2", "portable"])
 def path(request, monkeypatch):
-    if request.param in ("avx512", "avx2") and not cpu_native.features().get(request.param):
+    """Every code path this CPU has: "avx512" is the best one (AMX tiles on the prefill path
+    where the CPU has them); "avx512-noamx" the same without the tiles (run where AMX is)."""
+    feats = cpu_native.features()
+    if request.param in ("avx512", "avx2") and not feats.get(request.param):
         pytest.skip(f"no {request.param} path on this CPU")
+    if request.param == "avx512-noamx" and not feats.get("amx"):
+        pytest.skip("no AMX here: the avx512 path is the one without tiles")
+    isa = {"avx2": "avx2", "avx512-noamx": "noamx"}.get(request.param, "auto")
     monkeypatch.setattr(cpu_native.OPTIONS, "portable", request.param == "portable")
-    monkeypatch.setattr(cpu_native.OPTIONS, "isa", "avx2" if request.param == "avx2" else "auto")
+    monkeypatch.setattr(cpu_native.OPTIONS, "isa", isa)
     return request.param
 
 

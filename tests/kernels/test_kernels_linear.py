@@ -123,21 +123,57 @@ def test_tall_rows_match_float64_and_the_small_row_bits(rows, n, k, bias, pad, m
     assert torch.equal(got, small)
 
 
+@pytest.mark.skipif(not linear_cpu.amx_path(), reason="no AMX tiles for the kernel here")
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(linear_cpu.AMX_MIN_ROWS + 1, 130),
+    n=st.integers(1, 100),
+    k=st.integers(1, 12).map(lambda v: 32 * v),
+    bias=st.booleans(),
+    pad=st.integers(0, 5),
+    mode=st.sampled_from(["omp", "rayon", "single"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_amx_tiles_match_float64_and_gate_the_same(rows, n, k, bias, pad, mode, seed):
+    """Calls of more than ``AMX_MIN_ROWS`` rows on a CPU with AMX run on tiles (1-3 row tiles
+    a group, a zero-padded last tile, a ragged last panel, strided rows): within the float64
+    bound, and a gated pack gives the plain product followed by ``silu_and_mul``, bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(2 * n, k, generator=gen) * k**-0.5).bfloat16()
+    b = torch.randn(2 * n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k + pad, generator=gen).bfloat16()[:, :k]
+    plain, gated = linear_cpu.pack_linear(w), linear_cpu.pack_linear(w, glu=True)
+    with _options(mode=mode):
+        got = linear_cpu.linear(x, plain, b)
+        glu = linear_cpu.linear(x, gated)
+        unbiased = linear_cpu.linear(x, plain)
+    _check(got, x, w, b)
+    assert torch.equal(glu, ops_cpu.silu_and_mul(unbiased))
+
+
 @pytest.mark.parametrize("mode", ["omp", "rayon", "single"])
 def test_rows_do_not_depend_on_the_batch_or_the_threads(gen, mode):
-    """A row's bits are those it gets alone (one decode request or 64), in every thread mode."""
+    """A row's bits are those it gets alone (one decode request or 64), in every thread mode.
+    Where the kernel takes AMX tiles above ``AMX_MIN_ROWS`` rows (their sums run in another
+    order), within each of its two paths: a call of up to 8 rows gives each row's bits alone,
+    a longer one those of the whole batch."""
     w = torch.randn(200, 576, generator=gen).bfloat16()
     x = torch.randn(70, 576, generator=gen).bfloat16()
     packed = linear_cpu.pack_linear(w)
     full = linear_cpu.linear(x, packed)
+    alone = torch.cat([linear_cpu.linear(x[i : i + 1], packed) for i in range(len(x))])
+    amx = linear_cpu.amx_path()
+    if not amx:
+        assert torch.equal(alone, full)
     with _options(mode=mode):
-        for lo, hi in [(0, 1), (3, 4), (5, 12), (9, 70), (0, 70)]:
-            assert torch.equal(linear_cpu.linear(x[lo:hi], packed), full[lo:hi])
+        for lo, hi in [(0, 1), (3, 4), (5, 12), (0, 8), (60, 69), (9, 70), (0, 70)]:
+            want = full if amx and hi - lo > linear_cpu.AMX_MIN_ROWS else alone
+            assert torch.equal(linear_cpu.linear(x[lo:hi], packed), want[lo:hi])
     assert linear_cpu.linear(x[:0], packed).shape == (0, 200)
     # odd layouts are copied first: a transposed single row, broadcast rows, a column view
     col = x[:1].T.contiguous()  # [576, 1]
-    assert torch.equal(linear_cpu.linear(col.T, packed), full[:1])
-    assert torch.equal(linear_cpu.linear(x[:1].expand(3, -1), packed), full[:1].expand(3, -1))
+    assert torch.equal(linear_cpu.linear(col.T, packed), alone[:1])
+    assert torch.equal(linear_cpu.linear(x[:1].expand(3, -1), packed), alone[:1].expand(3, -1))
     assert torch.equal(linear_cpu.linear(x.T.contiguous().T, packed), full)
 
 

@@ -134,6 +134,8 @@ pub struct Call {
     pub partial: *mut f32,
     /// whether an item prefetches the first keys of the task its thread runs next as it ends
     pub prefetch_next: bool,
+    /// whether the transposed path's products run on AMX tiles (`lib::run` sets it)
+    pub amx: bool,
 }
 
 unsafe impl Sync for Call {}
@@ -547,6 +549,12 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let cols = dpbf16 && hrows >= COLS_MIN_ROWS && crate::cols::supports(d);
     #[cfg(not(target_arch = "x86_64"))]
     let cols = false;
+    // ... with its two products on AMX tiles (`amx.rs`): V^T per tile in `vt` (free there)
+    let amx = cols && c.amx;
+    #[cfg(target_arch = "x86_64")]
+    if amx {
+        crate::amx::configure();
+    }
     // Few rows per KV head (decode) and a K format the AVX2 instance widens in registers:
     // scores straight from the K rows (`qk_direct`), no transposed K tile.
     let direct = S::QK_DIRECT && !dpbf16 && F <= 2 && d % 16 == 0 && hrows <= DIRECT_MAX_ROWS;
@@ -824,7 +832,15 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     }
                 }
                 let njp = nk.div_ceil(2);
-                relay_v_pairs::<S, F>(&vptr, njp, d, vp);
+                let vtp = vt.as_mut_ptr() as *mut u32;
+                if amx && F == 1 {
+                    crate::amx::vt_from_rows(&vptr, d, vtp); // bf16 rows: one transpose
+                } else {
+                    relay_v_pairs::<S, F>(&vptr, njp, d, vp);
+                    if amx {
+                        crate::amx::vt_from_pairs(vp, njp, d, vtp);
+                    }
+                }
                 let ksc = &*(kscale.as_ptr() as *const [f32; W]);
                 let vsc = &*(vscale.as_ptr() as *const [f32; W]);
                 let active = |b: usize| b < nblk && b * W < r_hi && (b + 1) * W > r_lo;
@@ -869,7 +885,11 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     let at = ((hh - h0) * nblk + b) * W;
                     let (qa, aa) = (q_t.add(at * d / 2), acc_t.as_mut_ptr().add(at * d));
                     let (ma, la) = (m_t.as_mut_ptr().add(at), l_t.as_mut_ptr().add(at));
-                    if nb == 2 {
+                    if amx {
+                        let t1 = if nb == 2 { Some(tile(1)) } else { None };
+                        let t0 = tile(0);
+                        crate::cols::block_amx_d(d, &t0, t1.as_ref(), vtp, qa, aa, ma, la);
+                    } else if nb == 2 {
                         crate::cols::block2_d(d, &tile(0), &tile(1), qa, aa, ma, la);
                     } else {
                         crate::cols::block_d(d, &tile(0), qa, aa, ma, la);
@@ -1129,6 +1149,10 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             }
         }
         k0 += W as i64;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if amx {
+        crate::amx::release();
     }
     if cols {
         // back to row-major (acc[r][e], m[r], l[r]): 16 x 16 transposes

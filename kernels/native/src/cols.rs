@@ -248,6 +248,75 @@ pub unsafe fn block2<const D: usize>(
     }
 }
 
+/// `block` (`t1` None) or `block2` with both products on AMX tiles (`amx.rs`), for head dim
+/// `d` (one of `supports`); `vt`: the tile's V^T (`amx::vt_from_pairs`). The softmax is
+/// `block`'s, on the scores the tiles wrote.
+///
+/// # Safety
+/// As `block2`; `amx::configure` ran on this thread.
+#[inline(always)]
+pub unsafe fn block_amx_d(
+    d: usize,
+    t0: &Tile,
+    t1: Option<&Tile>,
+    vt: *const u32,
+    q_t: *const u32,
+    acc_t: *mut f32,
+    m: *mut f32,
+    l: *mut f32,
+) {
+    macro_rules! go {
+        ($d:literal) => {
+            match t1 {
+                Some(t1) => block_amx::<$d, 2>([t0, t1], vt, q_t, acc_t, m, l),
+                None => block_amx::<$d, 1>([t0], vt, q_t, acc_t, m, l),
+            }
+        };
+    }
+    match d {
+        32 => go!(32),
+        64 => go!(64),
+        96 => go!(96),
+        128 => go!(128),
+        _ => go!(256),
+    }
+}
+
+/// `NB` adjacent blocks of 16 rows over one tile, the scores and P.V as tile products.
+#[inline(always)]
+unsafe fn block_amx<const D: usize, const NB: usize>(
+    ts: [&Tile; NB],
+    vt: *const u32,
+    q_t: *const u32,
+    acc_t: *mut f32,
+    m: *mut f32,
+    l: *mut f32,
+) {
+    #[repr(C, align(64))]
+    struct Scores([f32; 2 * W * W]);
+    #[repr(C, align(64))]
+    struct Pairs([__m512i; W / 2]);
+    let mut sb = std::mem::MaybeUninit::<Scores>::uninit();
+    let sp = sb.as_mut_ptr() as *mut f32;
+    crate::amx::scores::<D, NB>(ts[0].kb, q_t, sp);
+    for b in 0..NB {
+        let mut s = [_mm512_setzero_ps(); W];
+        for (j, v) in s.iter_mut().enumerate() {
+            *v = _mm512_load_ps(sp.add(b * W * W + j * W));
+        }
+        let (pp, alpha, rescale) = softmax(ts[b], s, m.add(b * W), l.add(b * W));
+        let pb = Pairs(pp);
+        let acc = acc_t.add(b * D * W);
+        if rescale {
+            for c in 0..D {
+                let a = acc.add(c * W);
+                _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), alpha));
+            }
+        }
+        crate::amx::pv::<D>(acc, vt, pb.0.as_ptr() as *const u32);
+    }
+}
+
 /// The online softmax of one block's scores `s` (one vector per key, lanes = rows): scale,
 /// soft cap, ALiBi and masks applied, `m` and `l` updated in place; returns P as bf16 key pairs
 /// (V scales applied), the rescale factor of the accumulator and whether any lane needs it.

@@ -5,6 +5,7 @@
 //!
 //! * `attend`: one item (request x KV head x query tokens x key range), the online softmax.
 //! * `cols`: the transposed path of an item with many rows (blocks of 16 rows, AVX-512 BF16).
+//! * `amx`: that path's two products on AMX tiles where the CPU and OS have them.
 //! * `vnni`: int8 decode as integer dot products of the codes (AVX-512 VNNI).
 //! * `simd`: the 16-lane vector type, AVX-512 or portable, chosen at run time here (with
 //!   `avx2`: the same type for AVX2 CPUs without AVX-512).
@@ -22,6 +23,8 @@
 )]
 #![allow(clippy::result_unit_err, clippy::manual_is_multiple_of)]
 
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 pub mod attend;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
@@ -66,6 +69,8 @@ pub const ISA_BEST: u8 = 0;
 pub const ISA_PORTABLE: u8 = 1;
 pub const ISA_AVX2: u8 = 2;
 pub const ISA_NO_VNNI: u8 = 3;
+/// The best without AMX tiles (the transposed prefill path's products on AVX-512 BF16).
+pub const ISA_NO_AMX: u8 = 4;
 
 /// Whether this CPU has AVX2, FMA and F16C (the `avx2::Avx2` instance).
 pub fn has_avx2() -> bool {
@@ -82,7 +87,7 @@ pub fn has_avx2() -> bool {
 
 /// (AVX-512, AVX2) as `isa` allows on this CPU: at most one is true.
 fn pick_isa(isa: u8) -> (bool, bool) {
-    let avx512 = (isa == ISA_BEST || isa == ISA_NO_VNNI) && has_avx512();
+    let avx512 = matches!(isa, ISA_BEST | ISA_NO_VNNI | ISA_NO_AMX) && has_avx512();
     (avx512, !avx512 && isa != ISA_PORTABLE && has_avx2())
 }
 
@@ -295,6 +300,19 @@ pub unsafe fn run(
         rot_buf = ROTATED.with(|b| std::mem::take(&mut *b.borrow_mut()));
         rc = rotated_call(c, num_items, isa, &mut rot_buf);
         &rc
+    };
+    // AMX tiles for the transposed prefill path where the CPU and OS have them (`amx.rs`)
+    #[cfg(target_arch = "x86_64")]
+    let amx =
+        matches!(isa, ISA_BEST | ISA_NO_VNNI) && has_avx512() && use_dpbf16() && amx::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let amx = false;
+    let ca;
+    let c = if amx {
+        ca = Call { amx, ..*c };
+        &ca
+    } else {
+        c
     };
     let res = (|| -> Result<(), ()> {
         let f = item_fn(c.fmt, isa);

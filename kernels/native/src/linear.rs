@@ -621,6 +621,256 @@ pub mod tall {
     }
 }
 
+/// AMX tiles (Sapphire Rapids and later) on the same panels, for calls of more than
+/// `AMX_MIN_ROWS` rows: a panel's 16 `kp` rows x 16 columns are a B tile as packed (row stride
+/// 128 bytes), 16 rows of `x` x 32 inputs an A tile; up to three 16-row tiles times a panel's
+/// two column halves (a gated pair: gate, then up) accumulate in C tiles over `k`, then leave
+/// through fp32 scratch to the AVX-512 epilogue (bias, or SiLU-and-mul, rounded to bf16 as the
+/// AVX-512 path rounds). Rows of a last partial tile are copied into zeroed per-thread scratch
+/// (tiles of 16 rows read 16). Tiles: C 0-5 (3 row tiles x 2 column halves), A 6, B 7, all 16 x
+/// 64 bytes. A panel streams from memory once per call. Needs `k % 32 == 0`.
+#[cfg(target_arch = "x86_64")]
+pub mod amx {
+    use super::{Linear, NB};
+    use crate::simd::{Avx512, Simd};
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+
+    #[repr(C, align(64))]
+    struct Palette([u8; 64]);
+
+    const PALETTE: Palette = {
+        let mut p = [0u8; 64];
+        p[0] = 1;
+        let mut t = 0;
+        while t < 8 {
+            p[16 + 2 * t] = 64;
+            p[48 + t] = 16;
+            t += 1;
+        }
+        Palette(p)
+    };
+
+    /// Bytes ahead of the panel rows being read that the first row tile prefetches.
+    const PREFETCH: usize = 4096;
+
+    thread_local! {
+        /// A task's last partial row tile of `x`, zero-padded to 16 rows.
+        static XPAD: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// Whether a call takes this path: AMX granted here, `k % 32 == 0`, more than
+    /// `AMX_MIN_ROWS` rows.
+    pub fn takes(c: &Linear) -> bool {
+        c.rows > super::AMX_MIN_ROWS
+            && c.k % 32 == 0
+            && super::has_fast_path()
+            && crate::amx::available()
+    }
+
+    /// `tilezero`, `tdpbf16ps tmm{i}, tmm6, tmm7` and `tilestored` on C tile `i` (0-5; the
+    /// register is part of the instruction, so each is a match arm, resolved at compile time
+    /// in the unrolled loops).
+    macro_rules! on_c {
+        ($i:expr, $op:ident $(, $arg:expr)*) => {
+            match $i {
+                0 => on_c!(@ $op "0" $(, $arg)*),
+                1 => on_c!(@ $op "1" $(, $arg)*),
+                2 => on_c!(@ $op "2" $(, $arg)*),
+                3 => on_c!(@ $op "3" $(, $arg)*),
+                4 => on_c!(@ $op "4" $(, $arg)*),
+                _ => on_c!(@ $op "5" $(, $arg)*),
+            }
+        };
+        (@ zero $n:literal) => {
+            asm!(concat!("tilezero tmm", $n), options(nostack, nomem))
+        };
+        (@ dot $n:literal) => {
+            asm!(concat!("tdpbf16ps tmm", $n, ", tmm6, tmm7"), options(nostack, nomem))
+        };
+        (@ store $n:literal, $p:expr) => {
+            asm!(
+                concat!("tilestored [{o} + {s} * 1], tmm", $n),
+                o = in(reg) $p,
+                s = in(reg) 64usize,
+                options(nostack),
+            )
+        };
+    }
+
+    /// `R` (1-3) row tiles of 16 (`x[rt]`, `xs` elements apart) times the 32 columns of the
+    /// panel at `panel`: C tile `2 rt + h` for column half `h`. Per 32 inputs, each B tile is
+    /// loaded once (the panel streams once) and each A tile twice (from L1). Writes tile `(rt,
+    /// h)` to `sums + rt * 1024 + (2 q + h) * 256` (`q`: 0 plain or gate, 1 up).
+    #[inline(always)]
+    unsafe fn group<const R: usize>(
+        c: &Linear,
+        panel: *const u32,
+        x: [*const u16; R],
+        xs: [usize; R],
+        sums: *mut f32,
+        q: usize,
+        pf: bool,
+    ) {
+        for i in 0..2 * R {
+            on_c!(i, zero);
+        }
+        for ks in 0..c.k / 32 {
+            let rows = panel.add(16 * ks * NB);
+            if pf {
+                // the panel's lines PREFETCH bytes ahead (it streams from memory)
+                let ahead = (rows as *const i8).add(PREFETCH);
+                for l in 0..32 {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.add(64 * l));
+                }
+            }
+            for h in 0..2 {
+                asm!(
+                    "tileloadd tmm7, [{b} + {s} * 1]",
+                    b = in(reg) rows.add(16 * h),
+                    s = in(reg) 4 * NB,
+                    options(nostack, readonly),
+                );
+                for rt in 0..R {
+                    asm!(
+                        "tileloadd tmm6, [{a} + {s} * 1]",
+                        a = in(reg) x[rt].add(32 * ks),
+                        s = in(reg) 2 * xs[rt],
+                        options(nostack, readonly),
+                    );
+                    on_c!(2 * rt + h, dot);
+                }
+            }
+        }
+        for rt in 0..R {
+            for h in 0..2 {
+                on_c!(2 * rt + h, store, sums.add(rt * 1024 + (2 * q + h) * 256));
+            }
+        }
+    }
+
+    /// Rows `m0 .. m0 + rows` of the output from `sums` (tile `t`, row `r`: `sums[t*256 +
+    /// r*16 ..]`): plain panel `p` (bias, bf16) or the gated pair at `p` (SiLU-and-mul).
+    #[inline(always)]
+    unsafe fn store(c: &Linear, p: usize, m0: usize, rows: usize, sums: *const f32) {
+        type V = Avx512<true>;
+        let n0 = if c.glu { p / 2 * NB } else { p * NB };
+        let cols = NB.min(c.n_out - n0);
+        let (mask0, mask1): (u16, u16) = if cols == NB {
+            (0xffff, 0xffff)
+        } else {
+            let m = (1u32 << cols) - 1;
+            (m as u16, (m >> 16) as u16)
+        };
+        let widen =
+            |h: __m256i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+        let (b0, b1) = if c.bias.is_null() || c.glu {
+            (_mm512_setzero_ps(), _mm512_setzero_ps())
+        } else {
+            let lo = _mm256_maskz_loadu_epi16(mask0, c.bias.add(n0) as *const _);
+            let hi = _mm256_maskz_loadu_epi16(mask1, c.bias.add(n0 + 16) as *const _);
+            (widen(lo), widen(hi))
+        };
+        for r in 0..rows {
+            let out = c.out.add((m0 + r) * c.out_stride + n0);
+            for h in 0..2 {
+                let s = |t: usize| _mm512_loadu_ps(sums.add(t * 256 + r * 16));
+                let y = if c.glu {
+                    let g = Avx512::<true>(s(h)).round_bf16();
+                    let u = Avx512::<true>(s(2 + h)).round_bf16();
+                    let e = g.mul(V::splat(-1.0)).exp();
+                    let si = g.div(V::splat(1.0).add(e)).round_bf16();
+                    _mm512_cvtneps_pbh(si.mul(u).0)
+                } else {
+                    _mm512_cvtneps_pbh(_mm512_add_ps(s(h), if h == 0 { b0 } else { b1 }))
+                };
+                let y = std::mem::transmute::<__m256bh, __m256i>(y);
+                let mask = if h == 0 { mask0 } else { mask1 };
+                _mm256_mask_storeu_epi16(out.add(16 * h) as *mut _, mask, y);
+            }
+        }
+    }
+
+    /// Panels `lo .. hi` (gated: whole gate / up pairs), all rows, on AMX tiles: per panel
+    /// (pair), row tiles in groups of up to 3 (48 rows: the panel streams once; more rows
+    /// read it again from L2 per group).
+    ///
+    /// # Safety
+    /// `takes(c)`; `c` describes live memory of the stated shapes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
+    pub unsafe fn run_panels(c: &Linear, lo: usize, hi: usize) {
+        #[repr(C, align(64))]
+        struct Sums([f32; 3 * 1024]);
+        let mut sums = std::mem::MaybeUninit::<Sums>::uninit();
+        let sp = sums.as_mut_ptr() as *mut f32;
+        let full = c.rows / 16;
+        let tail = c.rows % 16;
+        let pad = if tail == 0 {
+            std::ptr::null()
+        } else {
+            XPAD.with(|cell| {
+                let mut v = cell.borrow_mut();
+                if v.len() < 16 * c.k {
+                    v.resize(16 * c.k, 0);
+                }
+                v[tail * c.k..16 * c.k].fill(0);
+                for r in 0..tail {
+                    let src = c.x.add((16 * full + r) * c.x_stride);
+                    std::ptr::copy_nonoverlapping(src, v.as_mut_ptr().add(r * c.k), c.k);
+                }
+                v.as_ptr()
+            })
+        };
+        let tiles = full + (tail > 0) as usize;
+        // row tile rt: its rows, their stride and count
+        let row_tile = |rt: usize| {
+            if rt < full {
+                (c.x.add(16 * rt * c.x_stride), c.x_stride, 16)
+            } else {
+                (pad, c.k, tail)
+            }
+        };
+        asm!("ldtilecfg [{}]", in(reg) PALETTE.0.as_ptr(), options(nostack, readonly));
+        let kp_n = c.k / 2;
+        let step = if c.glu { 2 } else { 1 };
+        let mut p = lo;
+        while p < hi {
+            let mut rt0 = 0;
+            while rt0 < tiles {
+                let n = (tiles - rt0).min(3);
+                for q in 0..step {
+                    let panel = c.w.add((p + q) * kp_n * NB);
+                    let pf = rt0 == 0;
+                    let (x0, s0, _) = row_tile(rt0);
+                    match n {
+                        1 => group::<1>(c, panel, [x0], [s0], sp, q, pf),
+                        2 => {
+                            let (x1, s1, _) = row_tile(rt0 + 1);
+                            group::<2>(c, panel, [x0, x1], [s0, s1], sp, q, pf)
+                        }
+                        _ => {
+                            let (x1, s1, _) = row_tile(rt0 + 1);
+                            let (x2, s2, _) = row_tile(rt0 + 2);
+                            group::<3>(c, panel, [x0, x1, x2], [s0, s1, s2], sp, q, pf)
+                        }
+                    }
+                }
+                for i in 0..n {
+                    let (_, _, rows) = row_tile(rt0 + i);
+                    store(c, p, 16 * (rt0 + i), rows, sp.add(i * 1024));
+                }
+                rt0 += n;
+            }
+            p += step;
+        }
+        asm!("tilerelease", options(nostack));
+    }
+}
+
+/// Rows above which a call on a CPU with AMX takes the `amx` path (below, the weight's stream
+/// bounds the AVX-512 path and its dot products keep up; `benches/bench_linear_cpu.py`).
+pub const AMX_MIN_ROWS: usize = 8;
+
 /// Rows from which a plain call on the AVX2 path takes the blocked GEMM (`tall`) instead of the
 /// small-row panels (measured crossover: `benches/tools/linear_avx2_bf16.py`).
 pub const TALL_ROWS: usize = 48;
@@ -669,6 +919,10 @@ pub unsafe fn run_panels(
     next: Option<(usize, usize)>,
     portable: bool,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if !portable && amx::takes(c) {
+        return amx::run_panels(c, lo, hi);
+    }
     #[cfg(target_arch = "x86_64")]
     if !portable && has_fast_path() {
         return avx512::run_panels(c, lo, hi, next);

@@ -126,6 +126,7 @@ fn paged_attention(
         merges: merges as *const i64,
         partial: partial as *mut f32,
         prefetch_next: prefetch_next(),
+        amx: false,
     };
     let res = py.detach(|| unsafe {
         crate::run(
@@ -193,9 +194,9 @@ fn store_kv(
 }
 
 /// `isa` checked: 0 the best instance, 1 portable, 2 at most AVX2, 3 the best without the VNNI
-/// int8 / VBMI fp8 decode (`crate::ISA_*`).
+/// int8 / VBMI fp8 decode, 4 the best without AMX tiles (`crate::ISA_*`).
 fn isa_of(isa: u8) -> PyResult<u8> {
-    if isa > crate::ISA_NO_VNNI {
+    if isa > crate::ISA_NO_AMX {
         return Err(PyValueError::new_err(format!(
             "unknown instruction-set code {isa}"
         )));
@@ -342,12 +343,15 @@ fn set_gomp_parallel(addr: usize) {
     pool::set_gomp_parallel(addr);
 }
 
-/// (avx512 path available, avx512_bf16, amx (not detected: unstable in Rust), GOMP_parallel set,
+/// (avx512 path available, avx512_bf16, amx (AMX-BF16 tiles granted: the prefill path uses them), GOMP_parallel set,
 /// avx2 path available, avx512_vnni: VNNI and VBMI, the int8 / fp8 decode paths)
 #[pyfunction]
 fn features() -> (bool, bool, bool, bool, bool, bool) {
     #[cfg(target_arch = "x86_64")]
-    let (bf16, amx) = (is_x86_feature_detected!("avx512bf16"), false);
+    let (bf16, amx) = (
+        is_x86_feature_detected!("avx512bf16"),
+        crate::has_avx512() && crate::amx::available(),
+    );
     #[cfg(not(target_arch = "x86_64"))]
     let (bf16, amx) = (false, false);
     (
