@@ -74,8 +74,8 @@ _AMX: bool | None = None
 def amx_path() -> bool:
     """Whether the native kernel runs calls of more than ``AMX_MIN_ROWS`` rows on AMX tiles:
     the CPU has them and Linux granted this process their state (``cpu_native.features()``'s
-    ``amx``), ``KVCORE_NATIVE_NO_AMX`` unset. There its panels stream at 1.1-1.5x oneDNN's
-    speed up to ~128 rows (``benches/bench_linear_cpu.py``)."""
+    ``amx``), ``KVCORE_NATIVE_NO_AMX`` unset. There a decode step's GEMMs run at 1.0-1.5x
+    oneDNN's speed at 9-64 rows (``benches/bench_linear_cpu.py``)."""
     return bool(fast_path() and cpu_native.features().get("amx"))
 
 

@@ -95,9 +95,13 @@ def _quantized(b, fmt, rotate=None):
 
 
 def _compare(native, twin, dtype):
+    """Within ``TOL`` plus, for bf16 outputs, one bf16 rounding step of the value (both sides
+    round their output to bf16: at |x| >= 4 one step is 2^-5, past the absolute bound)."""
     assert not torch.isnan(native).any(), "a row was left unwritten"
-    err = (native.float() - twin.float()).abs().max().item()
-    assert err <= TOL[dtype], f"max error {err} > {TOL[dtype]}"
+    diff = (native.float() - twin.float()).abs()
+    rel = 2.0**-7 if dtype == torch.bfloat16 else 0.0
+    excess = (diff - TOL[dtype] - twin.float().abs() * rel).max().item()
+    assert excess <= 0, f"max error {diff.max().item()} exceeds the bound by {excess}"
 
 
 @settings(

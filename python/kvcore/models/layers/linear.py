@@ -75,12 +75,13 @@ from torch import nn
 # than oneDNN at every row count up to 256 (a decode step's weights streaming: 1.1-1.5x) and
 # about equal on prefill chunks (2,048 rows: 0.95-1.07x by shape; whole prefill steps of 300-1,000
 # tokens 0-11 % faster), so it runs every call and oneDNN's copy is not made. With AMX, oneDNN's
-# tiles win once a GEMM is compute-bound (prefill chunks: 1.8-2.2x the native kernel), so only
-# decode-sized calls take the kernel, itself on AMX tiles above 8 rows (a decode step's GEMMs
-# 1.1-1.5x oneDNN's time at 16-64 rows, 1.08x at 128; 2-core Sapphire Rapids, one thread,
-# ``benches/bench_linear_cpu.py``), and oneDNN keeps its copy for the rest. Where the CPU has
-# AMX but the kernel cannot use it (not granted), 16: its AVX-512 path lost above that.
-SMALL_ROWS: int | None = 128 if linear_cpu.amx_path() else 16 if linear_cpu.has_amx() else None
+# tiles win once a GEMM is compute-bound (prefill chunks: 1.6-2.3x the native kernel), so only
+# decode-sized calls take the kernel, itself on AMX tiles above 8 rows (a decode step's GEMMs in
+# two runs: 1.12-1.34x oneDNN's speed at 48 rows, 1.00-1.19x at 64, 0.88-1.08x at 128; 2-core
+# Sapphire Rapids, one thread, ``benches/bench_linear_cpu.py``), and oneDNN keeps its copy for
+# the rest. Where the CPU has AMX but the kernel cannot use it (not granted), 16: its AVX-512
+# path lost above that.
+SMALL_ROWS: int | None = 64 if linear_cpu.amx_path() else 16 if linear_cpu.has_amx() else None
 
 
 # Rows up to which a bf16 weight upcast to fp32 (no bf16 GEMM here) runs on the native kernel's
