@@ -11,6 +11,7 @@
 //! Costs per block and tile: 2 x 16 x d / 2 bf16-pair dot products, 17 vector `exp`, no
 //! transposes (the queries are laid out once per item, the accumulator transposed back once).
 //! P is rounded to bf16 before P.V, as on the row path and in flash attention.
+//! `block_amx_d`: the same block with both products on AMX tiles (`amx.rs`), where granted.
 
 #![cfg(target_arch = "x86_64")]
 

@@ -21,6 +21,9 @@
 //! `bf16(bf16(silu(bf16(g))) * bf16(u))`, the bits `ops.rs`'s `SiluMul` makes from the plain
 //! product's bf16 output, without writing or reading that `[M, 2 I]` intermediate.
 //!
+//! **AMX** (`amx`, Sapphire Rapids and later, calls of more than `AMX_MIN_ROWS` rows): the same
+//! panels as B tiles, up to three 16-row tiles of `x` per panel stream, the AVX-512 epilogue.
+//!
 //! **AVX2** (`avx2`, no AVX-512 BF16: a Zen 3): plain panels only, each 32-byte load widened to
 //! fp32 (a shift for the even input, a mask for the odd) and two FMAs per row; half the bytes of
 //! the fp32 copy such a CPU otherwise runs bf16 weights on; a chunk's rows of `x` are widened
