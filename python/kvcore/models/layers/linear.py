@@ -78,7 +78,7 @@ from torch import nn
 # tiles win once a GEMM is compute-bound (prefill chunks: 1.6-2.3x the native kernel), so only
 # decode-sized calls take the kernel, itself on AMX tiles above 8 rows (a decode step's GEMMs in
 # two runs: 1.12-1.34x oneDNN's speed at 48 rows, 1.00-1.19x at 64, 0.88-1.08x at 128; 2-core
-# Sapphire Rapids, one thread, ``benches/bench_linear_cpu.py``), and oneDNN keeps its copy for
+# Xeon with AMX, one thread, ``benches/bench_linear_cpu.py``), and oneDNN keeps its copy for
 # the rest. Where the CPU has AMX but the kernel cannot use it (not granted), 16: its AVX-512
 # path lost above that.
 SMALL_ROWS: int | None = 64 if linear_cpu.amx_path() else 16 if linear_cpu.has_amx() else None
