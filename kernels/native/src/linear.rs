@@ -336,7 +336,7 @@ pub mod avx512 {
     }
 
     /// Whether the next panels are prefetched (`KVCORE_LINEAR_PREFETCH_NEXT=0` turns it off).
-    fn pf_next() -> bool {
+    pub(super) fn pf_next() -> bool {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *ON.get_or_init(|| std::env::var("KVCORE_LINEAR_PREFETCH_NEXT").map_or(true, |v| v != "0"))
     }
@@ -631,7 +631,8 @@ pub mod tall {
 /// through fp32 scratch to the AVX-512 epilogue (bias, or SiLU-and-mul, rounded to bf16 as the
 /// AVX-512 path rounds). Rows of a last partial tile are copied into zeroed per-thread scratch
 /// (tiles of 16 rows read 16). Tiles: C 0-5 (3 row tiles x 2 column halves), A 6, B 7, all 16 x
-/// 64 bytes. A panel streams from memory once per call. Needs `k % 32 == 0`.
+/// 64 bytes. A panel streams from memory once per call, the task's next panel prefetched into
+/// L2 meanwhile. Needs `k % 32 == 0`.
 #[cfg(target_arch = "x86_64")]
 pub mod amx {
     use super::{Linear, NB};
@@ -714,17 +715,26 @@ pub mod amx {
         sums: *mut f32,
         q: usize,
         pf: bool,
+        next: *const i8,
     ) {
         for i in 0..2 * R {
             on_c!(i, zero);
         }
-        for ks in 0..c.k / 32 {
+        let steps = c.k / 32;
+        for ks in 0..steps {
             let rows = panel.add(16 * ks * NB);
             if pf {
                 // the panel's lines PREFETCH bytes ahead (it streams from memory)
                 let ahead = (rows as *const i8).add(PREFETCH);
                 for l in 0..32 {
                     _mm_prefetch::<_MM_HINT_T0>(ahead.add(64 * l));
+                }
+                // and the next panel's into L2, spread over this one's steps (each step's share
+                // of its lines: a panel is `steps * 32` lines too)
+                if !next.is_null() {
+                    for l in 0..32 {
+                        _mm_prefetch::<_MM_HINT_T1>(next.add(64 * (32 * ks + l)));
+                    }
                 }
             }
             for h in 0..2 {
@@ -836,6 +846,7 @@ pub mod amx {
         asm!("ldtilecfg [{}]", in(reg) PALETTE.0.as_ptr(), options(nostack, readonly));
         let kp_n = c.k / 2;
         let step = if c.glu { 2 } else { 1 };
+        let next_on = super::avx512::pf_next();
         let mut p = lo;
         while p < hi {
             let mut rt0 = 0;
@@ -844,17 +855,23 @@ pub mod amx {
                 for q in 0..step {
                     let panel = c.w.add((p + q) * kp_n * NB);
                     let pf = rt0 == 0;
+                    // the panel after this one (this task's), into L2 while this one streams
+                    let nx = if pf && p + q + 1 < hi && next_on {
+                        c.w.add((p + q + 1) * kp_n * NB) as *const i8
+                    } else {
+                        std::ptr::null()
+                    };
                     let (x0, s0, _) = row_tile(rt0);
                     match n {
-                        1 => group::<1>(c, panel, [x0], [s0], sp, q, pf),
+                        1 => group::<1>(c, panel, [x0], [s0], sp, q, pf, nx),
                         2 => {
                             let (x1, s1, _) = row_tile(rt0 + 1);
-                            group::<2>(c, panel, [x0, x1], [s0, s1], sp, q, pf)
+                            group::<2>(c, panel, [x0, x1], [s0, s1], sp, q, pf, nx)
                         }
                         _ => {
                             let (x1, s1, _) = row_tile(rt0 + 1);
                             let (x2, s2, _) = row_tile(rt0 + 2);
-                            group::<3>(c, panel, [x0, x1, x2], [s0, s1, s2], sp, q, pf)
+                            group::<3>(c, panel, [x0, x1, x2], [s0, s1, s2], sp, q, pf, nx)
                         }
                     }
                 }
