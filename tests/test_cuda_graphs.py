@@ -54,6 +54,16 @@ def test_bucket_is_the_smallest_size_that_fits():
     assert [buf.bucket(n, sizes) for n in (1, 3, 4, 5, 17, 64, 65)] == [1, 4, 4, 8, 24, 64, None]
 
 
+def _prefill_three(runner):
+    """Prefill three requests (5, 9 and 3 random tokens; block size 4) through ``runner``;
+    returns the plan of their next decode step."""
+    tables = [[3, 7], [1, 9, 2], [5]]
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (5, 9, 3)]
+    prefill = _plan(prompts, tables, 4, [0, 0, 0])
+    runner.execute(prefill, prefill.query_start_loc[1:] - 1)
+    return _plan([[11], [12], [13]], tables, 4, [5, 9, 3])
+
+
 def _decode(n, width, seed=0):
     rng = np.random.default_rng(seed)
     lens = rng.integers(1, width * 4 + 1, n)
@@ -119,11 +129,7 @@ def test_padded_decode_equals_unpadded_and_touches_no_block(compile):
         max_num_seqs=8,
         max_model_len=32,
     )
-    tables = [[3, 7], [1, 9, 2], [5]]
-    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (5, 9, 3)]
-    prefill = _plan(prompts, tables, 4, [0, 0, 0])
-    runner.execute(prefill, prefill.query_start_loc[1:] - 1)
-    decode = _plan([[11], [12], [13]], tables, 4, [5, 9, 3])
+    decode = _prefill_three(runner)
     decode.seq_lens = decode.seq_lens.astype(np.int64)
     before = [c.clone() for c in runner.kv_caches]
     want = runner.execute(decode, np.arange(3))
@@ -165,11 +171,7 @@ def test_replay_with_capture_time_metadata_equals_plain_step_on_triton():
     buf.fill(_EmptyPlan(), 4)
     captured = buf.metadata(4, max_seq_len=runner.max_model_len)
     assert captured.seq_lens.is_contiguous() and captured.block_table.stride(1) == 1
-    tables = [[3, 7], [1, 9, 2], [5]]
-    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (5, 9, 3)]
-    prefill = _plan(prompts, tables, 4, [0, 0, 0])
-    runner.execute(prefill, prefill.query_start_loc[1:] - 1)
-    decode = _plan([[11], [12], [13]], tables, 4, [5, 9, 3])
+    decode = _prefill_three(runner)
     before = [c.clone() for c in runner.kv_caches]
     want = runner.execute(decode, np.arange(3))
     for c, b in zip(runner.kv_caches, before, strict=True):
@@ -274,11 +276,7 @@ def test_cuda_graph_replay_equals_plain_step_and_touches_no_block():
         model, num_blocks=16, block_size=4, compile=False, max_num_seqs=8, max_model_len=32
     )
     assert runner.graphs is not None
-    tables = [[3, 7], [1, 9, 2], [5]]
-    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (5, 9, 3)]
-    prefill = _plan(prompts, tables, 4, [0, 0, 0])
-    runner.execute(prefill, prefill.query_start_loc[1:] - 1)
-    decode = _plan([[11], [12], [13]], tables, 4, [5, 9, 3])
+    decode = _prefill_three(runner)
     before = [c.clone() for c in runner.kv_caches]
     got = runner.execute(decode, np.arange(3))  # replays the batch-4 graph
     torch.cuda.synchronize()

@@ -30,11 +30,12 @@
 use std::arch::asm;
 
 /// Whether this CPU and OS run AMX-BF16 tiles (CPUID.7.0:EDX bits 22 and 24, and the kernel
-/// granting XTILEDATA) and `KVCORE_NATIVE_NO_AMX` is unset; asked once.
+/// granting XTILEDATA) and `KVCORE_NATIVE_NO_AMX` is unset, empty or `0`; asked once.
 pub fn available() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        if std::env::var_os("KVCORE_NATIVE_NO_AMX").is_some() || !cpu_has_amx_bf16() {
+        let off = std::env::var("KVCORE_NATIVE_NO_AMX").is_ok_and(|v| !v.is_empty() && v != "0");
+        if off || !cpu_has_amx_bf16() {
             return false;
         }
         request_tile_data()

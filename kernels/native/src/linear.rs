@@ -200,20 +200,8 @@ pub mod avx512 {
         }
         for q in 0..P {
             let n0 = (p + q) * NB;
-            let cols = NB.min(c.n_out - n0);
-            let (mask0, mask1): (u16, u16) = if cols == NB {
-                (0xffff, 0xffff)
-            } else {
-                let m = (1u32 << cols) - 1;
-                (m as u16, (m >> 16) as u16)
-            };
-            let (b0, b1) = if c.bias.is_null() {
-                (_mm512_setzero_ps(), _mm512_setzero_ps())
-            } else {
-                let lo = _mm256_maskz_loadu_epi16(mask0, c.bias.add(n0) as *const _);
-                let hi = _mm256_maskz_loadu_epi16(mask1, c.bias.add(n0 + 16) as *const _);
-                (widen(lo), widen(hi))
-            };
+            let (mask0, mask1) = col_masks(c, n0);
+            let (b0, b1) = bias_pair(c, n0, (mask0, mask1));
             for r in 0..R {
                 let out = c.out.add((m0 + r) * c.out_stride + n0);
                 let lo = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][2 * q], b0));
@@ -233,28 +221,53 @@ pub mod avx512 {
     /// `SiluMul` on the plain product's bf16 output.
     #[inline(always)]
     unsafe fn store_glu<const R: usize>(c: &Linear, p: usize, m0: usize, acc: &[[__m512; 4]; R]) {
-        type V = Avx512<true>;
         let n0 = p / 2 * NB;
+        let (mask0, mask1) = col_masks(c, n0);
+        for r in 0..R {
+            let out = c.out.add((m0 + r) * c.out_stride + n0);
+            for h in 0..2 {
+                let mask = if h == 0 { mask0 } else { mask1 };
+                _mm256_mask_storeu_epi16(
+                    out.add(16 * h) as *mut _,
+                    mask,
+                    silu_mul(acc[r][h], acc[r][2 + h]),
+                );
+            }
+        }
+    }
+
+    /// The write masks of the 32 columns from `n0` (columns past `n_out` are not stored).
+    #[inline(always)]
+    pub(super) fn col_masks(c: &Linear, n0: usize) -> (u16, u16) {
         let cols = NB.min(c.n_out - n0);
-        let (mask0, mask1): (u16, u16) = if cols == NB {
+        if cols == NB {
             (0xffff, 0xffff)
         } else {
             let m = (1u32 << cols) - 1;
             (m as u16, (m >> 16) as u16)
-        };
-        for r in 0..R {
-            let out = c.out.add((m0 + r) * c.out_stride + n0);
-            for h in 0..2 {
-                let g = Avx512::<true>(acc[r][h]).round_bf16();
-                let u = Avx512::<true>(acc[r][2 + h]).round_bf16();
-                let e = g.mul(V::splat(-1.0)).exp();
-                let s = g.div(V::splat(1.0).add(e)).round_bf16();
-                let y = _mm512_cvtneps_pbh(s.mul(u).0);
-                let y = std::mem::transmute::<__m256bh, __m256i>(y);
-                let mask = if h == 0 { mask0 } else { mask1 };
-                _mm256_mask_storeu_epi16(out.add(16 * h) as *mut _, mask, y);
-            }
         }
+    }
+
+    /// The bias of the 32 columns from `n0` as two fp32 halves (zero without a bias).
+    #[inline(always)]
+    pub(super) unsafe fn bias_pair(c: &Linear, n0: usize, masks: (u16, u16)) -> (__m512, __m512) {
+        if c.bias.is_null() {
+            return (_mm512_setzero_ps(), _mm512_setzero_ps());
+        }
+        let lo = _mm256_maskz_loadu_epi16(masks.0, c.bias.add(n0) as *const _);
+        let hi = _mm256_maskz_loadu_epi16(masks.1, c.bias.add(n0 + 16) as *const _);
+        (widen(lo), widen(hi))
+    }
+
+    /// 16 columns of `bf16(bf16(silu(bf16(g))) * bf16(u))` from fp32 sums `g`, `u`.
+    #[inline(always)]
+    pub(super) unsafe fn silu_mul(g: __m512, u: __m512) -> __m256i {
+        type V = Avx512<true>;
+        let g = Avx512::<true>(g).round_bf16();
+        let u = Avx512::<true>(u).round_bf16();
+        let e = g.mul(V::splat(-1.0)).exp();
+        let s = g.div(V::splat(1.0).add(e)).round_bf16();
+        std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(s.mul(u).0))
     }
 
     /// 16 bf16 -> 16 fp32 (exact).
@@ -635,8 +648,7 @@ pub mod tall {
 /// L2 meanwhile. Needs `k % 32 == 0`.
 #[cfg(target_arch = "x86_64")]
 pub mod amx {
-    use super::{Linear, NB};
-    use crate::simd::{Avx512, Simd};
+    use super::{avx512, Linear, NB};
     use std::arch::asm;
     use std::arch::x86_64::*;
 
@@ -766,39 +778,27 @@ pub mod amx {
     /// r*16 ..]`): plain panel `p` (bias, bf16) or the gated pair at `p` (SiLU-and-mul).
     #[inline(always)]
     unsafe fn store(c: &Linear, p: usize, m0: usize, rows: usize, sums: *const f32) {
-        type V = Avx512<true>;
         let n0 = if c.glu { p / 2 * NB } else { p * NB };
-        let cols = NB.min(c.n_out - n0);
-        let (mask0, mask1): (u16, u16) = if cols == NB {
-            (0xffff, 0xffff)
+        let masks = avx512::col_masks(c, n0);
+        let (b0, b1) = if c.glu {
+            (_mm512_setzero_ps(), _mm512_setzero_ps()) // a gated pack has no bias
         } else {
-            let m = (1u32 << cols) - 1;
-            (m as u16, (m >> 16) as u16)
-        };
-        let widen =
-            |h: __m256i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
-        let (b0, b1) = if c.bias.is_null() || c.glu {
-            (_mm512_setzero_ps(), _mm512_setzero_ps())
-        } else {
-            let lo = _mm256_maskz_loadu_epi16(mask0, c.bias.add(n0) as *const _);
-            let hi = _mm256_maskz_loadu_epi16(mask1, c.bias.add(n0 + 16) as *const _);
-            (widen(lo), widen(hi))
+            avx512::bias_pair(c, n0, masks)
         };
         for r in 0..rows {
             let out = c.out.add((m0 + r) * c.out_stride + n0);
             for h in 0..2 {
                 let s = |t: usize| _mm512_loadu_ps(sums.add(t * 256 + r * 16));
                 let y = if c.glu {
-                    let g = Avx512::<true>(s(h)).round_bf16();
-                    let u = Avx512::<true>(s(2 + h)).round_bf16();
-                    let e = g.mul(V::splat(-1.0)).exp();
-                    let si = g.div(V::splat(1.0).add(e)).round_bf16();
-                    _mm512_cvtneps_pbh(si.mul(u).0)
+                    avx512::silu_mul(s(h), s(2 + h))
                 } else {
-                    _mm512_cvtneps_pbh(_mm512_add_ps(s(h), if h == 0 { b0 } else { b1 }))
+                    let b = if h == 0 { b0 } else { b1 };
+                    std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(
+                        s(h),
+                        b,
+                    )))
                 };
-                let y = std::mem::transmute::<__m256bh, __m256i>(y);
-                let mask = if h == 0 { mask0 } else { mask1 };
+                let mask = if h == 0 { masks.0 } else { masks.1 };
                 _mm256_mask_storeu_epi16(out.add(16 * h) as *mut _, mask, y);
             }
         }
