@@ -85,7 +85,8 @@ class Options:
     mode: str = os.environ.get("KVCORE_NATIVE_THREADS", "omp")
     portable: bool = os.environ.get("KVCORE_NATIVE_PORTABLE", "") not in ("", "0")
     # auto | avx2 | portable | novnni (the best without the VNNI int8 / VBMI fp8 decode) |
-    # noamx (the best without AMX tiles on the prefill path)
+    # noamx (the best without AMX tiles on the prefill path) | noseg (AMX tiles per key tile,
+    # not the prefill's key segments of ``cols::head_seg``; for A/B runs)
     isa: str = os.environ.get("KVCORE_NATIVE_ISA", "auto")
     split_keys: int | None = None  # tests: split every item into runs of this many keys
     # one task per item for all its KV heads (True), one per KV head (False), or by the code
@@ -103,7 +104,7 @@ class Options:
 
 OPTIONS = Options()
 # the extension's ISA_BEST / _PORTABLE / _AVX2 / _NO_VNNI / _NO_AMX
-ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "novnni": 3, "noamx": 4}
+ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "novnni": 3, "noamx": 4, "noseg": 5}
 
 
 def _isa() -> int:
@@ -139,7 +140,7 @@ def fuse_heads_for(fmt: int, query_dtype: torch.dtype | None = None) -> bool:
     if fmt in (FMT_INT8, FMT_E4M3, FMT_E5M2):
         return (
             avx512
-            and _isa() in (ISA_CODES["auto"], ISA_CODES["noamx"])
+            and _isa() in (ISA_CODES["auto"], ISA_CODES["noamx"], ISA_CODES["noseg"])
             and _cpu_has_vnni()
             and query_dtype in (None, torch.bfloat16)
         )
@@ -471,5 +472,6 @@ def linear(
     _bind_openmp()
     _native.linear(
         x, x_stride, rows, k, w, n_out, bias, out, out_stride, torch.get_num_threads(),
-        MODES[OPTIONS.mode], _isa() not in (0, ISA_CODES["noamx"]), glu, linear_tall_allowed(),
+        MODES[OPTIONS.mode], _isa() not in (0, ISA_CODES["noamx"], ISA_CODES["noseg"]), glu,
+        linear_tall_allowed(),
     )  # fmt: skip

@@ -445,6 +445,30 @@ def test_prefill_row_blocks_match_twin(heads, fmt, feature, gen, path):
     _compare(native, twin, dtype)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("feature", ["plain", "window", "soft_cap", "split"])
+def test_long_prefill_key_segments_match_twin(head_dim, feature, gen, path, monkeypatch):
+    """bf16 prefill over key ranges of several 256-key segments (on AMX: ``cols::head_seg``,
+    the keys gathered once per head, an online rescale between segments; odd tile counts leave
+    the last 32-key chunk half empty; a window starts a row's keys past the item's first; a
+    key split gives items whose range starts mid-sequence): the twin's answer, on every path."""
+    if feature == "split":
+        monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", 304)
+    b = make_batch(gen, [(600, 41), (0, 300), (333, 1), (17, 530)], block_size=16,
+                   num_q_heads=6, num_kv_heads=2, head_dim=head_dim,
+                   dtype=torch.bfloat16)  # fmt: skip
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, 16)
+    feats = {
+        "scale": head_dim**-0.5,
+        "sliding_window": 300 if feature == "window" else None,
+        "soft_cap": 8.0 if feature == "soft_cap" else None,
+    }
+    out = torch.full_like(b.query, float("nan"))
+    native = kk.paged_attention(b.query, b.kv_cache, meta, **feats, backend="cpu", out=out)
+    twin = kk.paged_attention(b.query, b.kv_cache, meta, **feats, backend="torch")
+    _compare(native, twin, torch.bfloat16)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_kernel_rotates_the_query_of_a_rotated_cache(fmt, dtype, gen, path, monkeypatch):

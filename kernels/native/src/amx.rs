@@ -99,6 +99,67 @@ const PALETTE: Palette = {
     Palette(p)
 };
 
+/// Palette 1 with all eight tiles 16 x 64 (`cols::head_seg`'s products, `scores_seg`).
+const PALETTE_SEG: Palette = {
+    let mut p = [0u8; 64];
+    p[0] = 1;
+    let mut t = 0;
+    while t < 8 {
+        p[16 + 2 * t] = 64;
+        p[48 + t] = 16;
+        t += 1;
+    }
+    Palette(p)
+};
+
+/// Load `PALETTE_SEG`'s shapes on this thread (in place of `configure`'s).
+///
+/// # Safety
+/// `available()` is true.
+#[inline(always)]
+pub unsafe fn configure_seg() {
+    asm!("ldtilecfg [{}]", in(reg) PALETTE_SEG.0.as_ptr(), options(nostack, readonly));
+}
+
+/// `scores::<64, 2>` over `nt` consecutive tiles (`kb`: their 16 x 64 bf16 K rows each, tile
+/// after tile; tile `t`'s scores at `out + t * 512`), the four query tiles loaded once and the
+/// two K halves in different registers (tiles are not renamed: a load into the register a
+/// product still reads waits for it). Registers: C 0-1, K 2 and 7, queries 3-6.
+///
+/// # Safety
+/// `configure_seg` ran on this thread; the pointers cover the stated shapes.
+#[inline(always)]
+pub unsafe fn scores_seg64(kb: *const u16, q_t: *const u32, out: *mut f32, nt: usize) {
+    asm!(
+        "tileloadd tmm3, [{q} + {s} * 1]",
+        "tileloadd tmm4, [{q} + {s} * 1 + 1024]",
+        "tileloadd tmm5, [{q} + {s} * 1 + 2048]",
+        "tileloadd tmm6, [{q} + {s} * 1 + 3072]",
+        q = in(reg) q_t,
+        s = in(reg) 64usize,
+        options(nostack, readonly),
+    );
+    for t in 0..nt {
+        asm!(
+            "tileloadd tmm2, [{k} + {ks} * 1]",
+            "tileloadd tmm7, [{k} + {ks} * 1 + 64]",
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tdpbf16ps tmm0, tmm2, tmm3",
+            "tdpbf16ps tmm1, tmm2, tmm5",
+            "tdpbf16ps tmm0, tmm7, tmm4",
+            "tdpbf16ps tmm1, tmm7, tmm6",
+            "tilestored [{o} + {s} * 1], tmm0",
+            "tilestored [{o} + {s} * 1 + 1024], tmm1",
+            k = in(reg) kb.add(t * 16 * 64),
+            ks = in(reg) 128usize,
+            o = in(reg) out.add(t * 512),
+            s = in(reg) 64usize,
+            options(nostack),
+        );
+    }
+}
+
 /// Load the tile shapes on this thread.
 ///
 /// # Safety
@@ -194,6 +255,88 @@ pub unsafe fn pv<const D: usize>(acc_t: *mut f32, vt: *const u32, p: *const u32)
     }
 }
 
+/// `acc_t[c][row] += sum_j V[j][c] P[j][row]` over `nch` chunks of 32 keys (`cols::head_seg`):
+/// chunk `u`'s V^T at `vt + u * D * 16` (`D` rows of 16 key pairs), its P at `p + u * 256` (16
+/// rows of 16 dwords: key pairs x rows). The accumulator stays in tiles 0-3 across the chunks,
+/// 64 columns at a time; tiles 4 and 6 take V^T in turn, 5 P.
+///
+/// # Safety
+/// `configure_seg` ran on this thread; the pointers cover the stated shapes; `D % 16 == 0`.
+#[inline(always)]
+pub unsafe fn pv_seg<const D: usize>(acc_t: *mut f32, vt: *const u32, p: *const u32, nch: usize) {
+    macro_rules! on {
+        ($c:literal, $f:expr) => {
+            asm!(
+                concat!("tileloadd tmm", $c, ", [{a} + {s} * 1]"),
+                a = in(reg) $f,
+                s = in(reg) 64usize,
+                options(nostack, readonly),
+            )
+        };
+    }
+    macro_rules! dot {
+        ($c:literal, $a:literal, $v:expr) => {
+            asm!(
+                concat!("tileloadd tmm", $a, ", [{v} + {s} * 1]"),
+                concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm5"),
+                v = in(reg) $v,
+                s = in(reg) 64usize,
+                options(nostack, readonly),
+            )
+        };
+    }
+    macro_rules! store {
+        ($c:literal, $f:expr) => {
+            asm!(
+                concat!("tilestored [{a} + {s} * 1], tmm", $c),
+                a = in(reg) $f,
+                s = in(reg) 64usize,
+                options(nostack),
+            )
+        };
+    }
+    let mut g0 = 0;
+    while g0 < D {
+        let nc = ((D - g0) / 16).min(4);
+        let a = |c: usize| acc_t.add((g0 + 16 * c) * 16);
+        on!("0", a(0));
+        if nc > 1 {
+            on!("1", a(1));
+        }
+        if nc > 2 {
+            on!("2", a(2));
+        }
+        if nc > 3 {
+            on!("3", a(3));
+        }
+        for u in 0..nch {
+            on!("5", p.add(u * 256));
+            let v = |c: usize| vt.add(u * D * 16 + (g0 + 16 * c) * 16);
+            dot!("0", "4", v(0));
+            if nc > 1 {
+                dot!("1", "6", v(1));
+            }
+            if nc > 2 {
+                dot!("2", "4", v(2));
+            }
+            if nc > 3 {
+                dot!("3", "6", v(3));
+            }
+        }
+        store!("0", a(0));
+        if nc > 1 {
+            store!("1", a(1));
+        }
+        if nc > 2 {
+            store!("2", a(2));
+        }
+        if nc > 3 {
+            store!("3", a(3));
+        }
+        g0 += 16 * nc;
+    }
+}
+
 /// V^T for `pv`: `vt[c][jp]` = `vp[jp][c]` (a bf16 key pair), `d x 8` dwords from the
 /// `njp x d` pairs of `attend::relay_v_pairs`; pairs past `njp` are zero (their P is zero, and
 /// a zero V keeps 0 x V finite).
@@ -222,6 +365,16 @@ pub unsafe fn vt_from_pairs(vp: *const u32, njp: usize, d: usize, vt: *mut u32) 
 /// AVX-512 F/BW.
 #[inline(always)]
 pub unsafe fn vt_from_rows(v: &[*const u8; 16], d: usize, vt: *mut u32) {
+    vt_from_rows_at(v, d, vt, 8)
+}
+
+/// `vt_from_rows` with dimension `c`'s 8 key pairs at `vt + c * stride` (`stride` 8: the
+/// layout `pv` reads; 16: one half of a 32-key chunk of `pv_seg`'s).
+///
+/// # Safety
+/// As `vt_from_rows`, `vt` covering `d` rows of `stride` dwords; `stride >= 8`.
+#[inline(always)]
+pub unsafe fn vt_from_rows_at(v: &[*const u8; 16], d: usize, vt: *mut u32, stride: usize) {
     use crate::simd::{Avx512, Simd};
     use std::arch::x86_64::*;
     type V = Avx512<true>;
@@ -245,7 +398,13 @@ pub unsafe fn vt_from_rows(v: &[*const u8; 16], d: usize, vt: *mut u32) {
         V::transpose(&mut t);
         for (i, x) in t.iter().enumerate() {
             let w = _mm512_permutexvar_epi16(idx, _mm512_castps_si512(x.0));
-            _mm512_storeu_si512(vt.add(2 * (c2 + i) * 8) as *mut _, w);
+            let row = vt.add(2 * (c2 + i) * stride);
+            if stride == 8 {
+                _mm512_storeu_si512(row as *mut _, w);
+            } else {
+                _mm256_storeu_si256(row as *mut _, _mm512_castsi512_si256(w));
+                _mm256_storeu_si256(row.add(stride) as *mut _, _mm512_extracti64x4_epi64::<1>(w));
+            }
         }
     }
 }
@@ -324,6 +483,31 @@ mod tests {
             release();
         }
         assert_eq!(vt, vt_rows, "V^T from pairs and from rows");
+        // the segment path's products: two tiles of scores at once (the same K twice), and a
+        // 32-key chunk whose second half is the same 16 keys again
+        let k2: Vec<u16> = k.iter().chain(k.iter()).copied().collect();
+        let mut out2 = vec![0f32; 1024];
+        let mut vt2 = vec![0u32; D * 16];
+        let mut p2 = vec![0u32; 16 * 16];
+        p2[..128].copy_from_slice(&p);
+        p2[128..].copy_from_slice(&p);
+        let mut acc2 = vec![1f32; D * 16];
+        unsafe {
+            configure_seg();
+            scores_seg64(k2.as_ptr(), q_t.as_ptr(), out2.as_mut_ptr(), 2);
+            vt_from_rows_at(&ptrs, D, vt2.as_mut_ptr(), 16);
+            vt_from_rows_at(&ptrs, D, vt2.as_mut_ptr().add(8), 16);
+            pv_seg::<D>(acc2.as_mut_ptr(), vt2.as_ptr(), p2.as_ptr(), 1);
+            release();
+        }
+        assert_eq!(&out2[..512], &out[..], "scores_seg64, tile 0");
+        assert_eq!(&out2[512..], &out[..], "scores_seg64, tile 1");
+        for c in 0..D {
+            for r in 0..16 {
+                let want: f32 = 1.0 + 2.0 * (0..2 * njp).map(|j| v(j, c) * pj(j, r)).sum::<f32>();
+                assert_eq!(acc2[c * 16 + r], want, "pv_seg c{c} r{r}");
+            }
+        }
         for b in 0..2 {
             for j in 0..16 {
                 for r in 0..16 {

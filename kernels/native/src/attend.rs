@@ -136,10 +136,31 @@ pub struct Call {
     pub prefetch_next: bool,
     /// whether the transposed path's products run on AMX tiles (`lib::run` sets it)
     pub amx: bool,
+    /// with `amx`: whether bf16 items without ALiBi run by row blocks (`cols::head_seg`)
+    pub seg: bool,
 }
 
 unsafe impl Sync for Call {}
 unsafe impl Send for Call {}
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Align64([u32; 16]);
+
+thread_local! {
+    /// `cols::head_seg`'s buffers (`seg_len`): grown, never freed.
+    static SEG: std::cell::RefCell<Vec<Align64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// 64-byte units of `cols::head_seg`'s buffers for `nt` key tiles of `heads` KV heads: K rows
+/// and V^T per head, a segment's scores and P, the tile masks.
+fn seg_len(nt: usize, d: usize, heads: usize) -> usize {
+    let dwords = heads * (nt * W * d / 2 + nt.div_ceil(2) * d * W)
+        + crate::cols::SEG_TILES * 2 * W * W
+        + 2 * crate::cols::SEG_TILES * 8 * W
+        + nt.div_ceil(2);
+    dwords.div_ceil(16) + 1
+}
 
 /// Floats of scratch one thread needs for items of up to `rows` rows of `heads` KV heads.
 pub fn scratch_len(rows: usize, d: usize, heads: usize) -> usize {
@@ -551,10 +572,39 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let cols = false;
     // ... with its two products on AMX tiles (`amx.rs`): V^T per tile in `vt` (free there)
     let amx = cols && c.amx;
+    // ... and for bf16 caches without ALiBi, by row blocks over the whole key range
+    // (`cols::head_seg`): the tile loop below only gathers each head's K rows and V^T.
+    let seg = amx && c.seg && F == 1 && c.alibi.is_null();
     #[cfg(target_arch = "x86_64")]
-    if amx {
+    if seg {
+        crate::amx::configure_seg();
+    } else if amx {
         crate::amx::configure();
     }
+    let nt = if seg {
+        ((w[4] - w[3]) as usize).div_ceil(W)
+    } else {
+        0
+    };
+    let seg_buf = if seg {
+        SEG.with(|cell| {
+            let mut v = cell.borrow_mut();
+            let need = seg_len(nt, d, heads.1 - heads.0);
+            if v.len() < need {
+                v.resize(need, Align64([0; 16]));
+            }
+            v.as_mut_ptr() as *mut u32
+        })
+    } else {
+        std::ptr::null_mut()
+    };
+    // [heads][nt][16][d] bf16 K, [heads][nt / 2][d][16] V^T pairs, S, P, tile masks
+    let seg_kb = seg_buf as *mut u16;
+    let seg_vt = seg_buf.wrapping_add((heads.1 - heads.0) * nt * W * d / 2);
+    let seg_vt_head = nt.div_ceil(2) * d * W;
+    let seg_s = seg_vt.wrapping_add((heads.1 - heads.0) * seg_vt_head) as *mut f32;
+    let seg_p = seg_s.wrapping_add(crate::cols::SEG_TILES * 2 * W * W) as *mut u32;
+    let seg_tmask = seg_p.wrapping_add(2 * crate::cols::SEG_TILES * 8 * W) as *mut u16;
     // Few rows per KV head (decode) and a K format the AVX2 instance widens in registers:
     // scores straight from the K rows (`qk_direct`), no transposed K tile.
     let direct = S::QK_DIRECT && !dpbf16 && F <= 2 && d % 16 == 0 && hrows <= DIRECT_MAX_ROWS;
@@ -742,7 +792,12 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
         // Tokens that see some key of the tile: qpos >= k0 and qpos - window < k0 + n - 1.
         let mut r_lo = hrows;
         let mut r_hi = 0;
-        for i in 0..ntok {
+        // (`head_seg` masks by itself: without a window, the last token sees every tile)
+        let seen_all = seg && c.window <= 0 && tile_mask != 0 && first_pos + ntok as i64 > k0;
+        if seen_all {
+            (r_lo, r_hi) = (0, hrows);
+        }
+        for i in (0..ntok).filter(|_| !seen_all) {
             let qpos = first_pos + i as i64;
             let hi = (qpos - k0 + 1).clamp(0, W as i64) as u32; // lanes < hi: key <= qpos
             let lo = if c.window > 0 {
@@ -762,9 +817,24 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 r_hi = r_hi.max((i + 1) * g);
             }
         }
+        let ti = ((k0 - key_lo) / W as i64) as usize;
         if r_lo >= r_hi {
+            if seg {
+                // no row sees the tile: zero keys (`head_seg` masks them all)
+                *seg_tmask.add(ti) = 0;
+                for hh in 0..h1 - h0 {
+                    std::ptr::write_bytes(seg_kb.add((hh * nt + ti) * W * d), 0, W * d);
+                    let vt0 = seg_vt.add(hh * seg_vt_head + ti / 2 * d * W + ti % 2 * 8);
+                    for cc in 0..d {
+                        std::ptr::write_bytes(vt0.add(cc * W), 0, 8);
+                    }
+                }
+            }
             k0 += W as i64;
             continue;
+        }
+        if seg {
+            *seg_tmask.add(ti) = tile_mask;
         }
         let nk = W - tile_mask.leading_zeros() as usize; // last real key + 1
         let keys = {
@@ -815,7 +885,11 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             }
             #[cfg(target_arch = "x86_64")]
             if cols {
-                let kbp = kb;
+                let kbp = if seg {
+                    seg_kb.add(((hh - h0) * nt + ti) * W * d)
+                } else {
+                    kb
+                };
                 for (j, kr) in kptr.iter().enumerate() {
                     let dst = kbp.add(j * d);
                     if F == 1 {
@@ -830,6 +904,11 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                         S::store_bf16x2(lo, load_row::<S, F>(*kr, cc + W), dst.add(cc));
                         cc += 2 * W;
                     }
+                }
+                if seg {
+                    let vt0 = seg_vt.add((hh - h0) * seg_vt_head + ti / 2 * d * W + ti % 2 * 8);
+                    crate::amx::vt_from_rows_at(&vptr, d, vt0, W);
+                    continue;
                 }
                 let njp = nk.div_ceil(2);
                 let vtp = vt.as_mut_ptr() as *mut u32;
@@ -1149,6 +1228,43 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             }
         }
         k0 += W as i64;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if seg {
+        let tmask = std::slice::from_raw_parts(seg_tmask, nt);
+        for hh in h0..h1 {
+            let vth = seg_vt.add((hh - h0) * seg_vt_head);
+            if nt % 2 == 1 {
+                // the last chunk's missing second tile: V^T zero (0 x V must stay finite)
+                for cc in 0..d {
+                    std::ptr::write_bytes(vth.add(nt / 2 * d * W + cc * W + 8), 0, 8);
+                }
+            }
+            let sg = crate::cols::Seg {
+                kb: seg_kb.add((hh - h0) * nt * W * d),
+                vt: vth,
+                tmask,
+                key_lo,
+                first_pos,
+                g,
+                hrows,
+                window: c.window,
+                qs: c.scale * kscale_of(hh),
+                soft_cap: c.soft_cap,
+            };
+            let at = (hh - h0) * nblk * W;
+            crate::cols::head_seg_d(
+                d,
+                &sg,
+                nblk,
+                q_t.add(at * d / 2),
+                acc_t.as_mut_ptr().add(at * d),
+                m_t.as_mut_ptr().add(at),
+                l_t.as_mut_ptr().add(at),
+                seg_s,
+                seg_p,
+            );
+        }
     }
     #[cfg(target_arch = "x86_64")]
     if amx {

@@ -438,3 +438,220 @@ pub unsafe fn key_masks(mv: __m512i, out: &mut [u16; W]) -> bool {
     }
     false
 }
+
+/// Key tiles per segment of `head_seg` (256 keys: the scores of two blocks, 32 KiB, and their P
+/// stay in L1; even, so that a segment's 32-key P.V chunks start on a tile pair).
+pub const SEG_TILES: usize = 16;
+
+/// One KV head of an item for `head_seg`: its key range gathered once (K rows and V^T) and
+/// what decides which keys a row sees.
+pub struct Seg<'a> {
+    /// `[nt][16][D]` bf16 K rows: tile `t` holds keys `key_lo + 16 t ..` (zero rows for keys
+    /// that are not real)
+    pub kb: *const u16,
+    /// `[nt.div_ceil(2)][D][16]` dwords: V^T of 32 keys as bf16 key pairs (tile `2 u` in dwords
+    /// 0-7, tile `2 u + 1` in 8-15; zero for a missing last tile)
+    pub vt: *const u32,
+    /// per tile: its real keys (bits)
+    pub tmask: &'a [u16],
+    pub key_lo: i64,
+    /// position of the item's first query token
+    pub first_pos: i64,
+    /// query heads per KV head (rows `r = token * g + head`)
+    pub g: usize,
+    /// real rows of the head (the last block may be padded)
+    pub hrows: usize,
+    pub window: i64,
+    /// score scale
+    pub qs: f32,
+    pub soft_cap: f32,
+}
+
+/// `head_seg` for head dim `d` (one of `supports`).
+///
+/// # Safety
+/// As `head_seg`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub unsafe fn head_seg_d(
+    d: usize,
+    s: &Seg,
+    nblk: usize,
+    q_t: *const u32,
+    acc_t: *mut f32,
+    m: *mut f32,
+    l: *mut f32,
+    sbuf: *mut f32,
+    pbuf: *mut u32,
+) {
+    match d {
+        32 => head_seg::<32>(s, nblk, q_t, acc_t, m, l, sbuf, pbuf),
+        64 => head_seg::<64>(s, nblk, q_t, acc_t, m, l, sbuf, pbuf),
+        96 => head_seg::<96>(s, nblk, q_t, acc_t, m, l, sbuf, pbuf),
+        128 => head_seg::<128>(s, nblk, q_t, acc_t, m, l, sbuf, pbuf),
+        _ => head_seg::<256>(s, nblk, q_t, acc_t, m, l, sbuf, pbuf),
+    }
+}
+
+/// The transposed path on AMX with the loops swapped: per pair of 16-row blocks, the keys they
+/// see in segments of up to `SEG_TILES` tiles: all the segment's scores (tile products), one
+/// max per row, P for the whole segment, and its P.V with the accumulator held in tiles
+/// (`amx::pv_seg`). The accumulator is rescaled once per segment instead of once per tile and
+/// makes one trip to memory per segment instead of two per tile and block (PyTorch's CPU flash
+/// attention blocks its keys the same way). Same `acc_t`, `m`, `l` layouts as `block_amx`;
+/// masks: a key is seen by a row if real, at most its position and (window) within it.
+///
+/// # Safety
+/// `amx::configure_seg` ran on this thread; `q_t`, `acc_t`, `m`, `l` cover `nblk` blocks; `sbuf`
+/// `SEG_TILES * 512` floats, `pbuf` `2 * SEG_TILES * 128` dwords; `s` as documented.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn head_seg<const D: usize>(
+    s: &Seg,
+    nblk: usize,
+    q_t: *const u32,
+    acc_t: *mut f32,
+    m: *mut f32,
+    l: *mut f32,
+    sbuf: *mut f32,
+    pbuf: *mut u32,
+) {
+    let nt = s.tmask.len();
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let qs = _mm512_set1_ps(s.qs);
+    let mut b = 0;
+    while b < nblk {
+        let nb = (nblk - b).min(2);
+        // each lane's query position, relative to key_lo (a padded lane copies the last row)
+        let mut qpos = [[0i32; W]; 2];
+        let (mut qmin, mut qmax) = ([i64::MAX; 2], [i64::MIN; 2]);
+        for i in 0..nb {
+            for lane in 0..W {
+                let rl = ((b + i) * W + lane).min(s.hrows - 1);
+                let p = s.first_pos + (rl / s.g) as i64 - s.key_lo;
+                qpos[i][lane] = p as i32;
+                qmin[i] = qmin[i].min(p);
+                qmax[i] = qmax[i].max(p);
+            }
+        }
+        let top = qmax[0].max(qmax[1]);
+        let bottom = qmin[0].min(qmin[1]);
+        let hi = (top + 1).min(16 * nt as i64); // keys past every row's position: unseen
+        let lo = if s.window > 0 {
+            (bottom - s.window + 1).max(0)
+        } else {
+            0
+        };
+        if lo >= hi {
+            b += nb;
+            continue;
+        }
+        let t_hi = (hi as usize).div_ceil(W);
+        let mut t0 = (lo as usize / W) & !1;
+        while t0 < t_hi {
+            let t1 = (t0 + SEG_TILES).min(t_hi);
+            let qt = q_t.add(b * D / 2 * W);
+            for t in (t0..t1).filter(|_| D != 64 || nb == 1) {
+                let out = sbuf.add((t - t0) * 2 * W * W);
+                if nb == 2 {
+                    crate::amx::scores::<D, 2>(s.kb.add(t * W * D), qt, out);
+                } else {
+                    crate::amx::scores::<D, 1>(s.kb.add(t * W * D), qt, out);
+                }
+            }
+            if D == 64 && nb == 2 {
+                crate::amx::scores_seg64(s.kb.add(t0 * W * D), qt, sbuf, t1 - t0);
+            }
+            for i in 0..nb {
+                let qv = _mm512_loadu_si512(qpos[i].as_ptr() as *const _);
+                let qlow = _mm512_sub_epi32(qv, _mm512_set1_epi32(s.window as i32));
+                let (mi, li) = (m.add((b + i) * W), l.add((b + i) * W));
+                let mut mx = ninf;
+                for t in t0..t1 {
+                    let sp = sbuf.add((t - t0) * 2 * W * W + i * W * W);
+                    let k0 = (t * W) as i64;
+                    let full = s.tmask[t] == u16::MAX
+                        && k0 + W as i64 - 1 <= qmin[i]
+                        && (s.window <= 0 || k0 > qmax[i] - s.window);
+                    for j in 0..W {
+                        let mut x = _mm512_mul_ps(_mm512_load_ps(sp.add(j * W)), qs);
+                        if s.soft_cap > 0.0 {
+                            let y = _mm512_mul_ps(x, _mm512_set1_ps(1.0 / s.soft_cap));
+                            x = _mm512_mul_ps(
+                                simd::tanh(Avx512::<true>(y)).0,
+                                _mm512_set1_ps(s.soft_cap),
+                            );
+                        }
+                        if !full {
+                            let key = _mm512_set1_epi32((k0 + j as i64) as i32);
+                            let mut vis = if s.tmask[t] >> j & 1 != 0 {
+                                _mm512_cmple_epi32_mask(key, qv)
+                            } else {
+                                0
+                            };
+                            if s.window > 0 {
+                                vis &= _mm512_cmpgt_epi32_mask(key, qlow);
+                            }
+                            x = _mm512_mask_blend_ps(vis, ninf, x);
+                        }
+                        _mm512_store_ps(sp.add(j * W), x);
+                        mx = _mm512_max_ps(mx, x);
+                    }
+                }
+                let m_old = _mm512_loadu_ps(mi);
+                let m_new = _mm512_max_ps(m_old, mx);
+                let seen = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(m_new, ninf);
+                let alpha = _mm512_maskz_mov_ps(seen, exp_p(_mm512_sub_ps(m_old, m_new)));
+                let alpha = _mm512_mask_blend_ps(
+                    _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(m_old, m_new),
+                    alpha,
+                    _mm512_set1_ps(1.0),
+                );
+                if _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(alpha, _mm512_set1_ps(1.0)) != 0 {
+                    let acc = acc_t.add((b + i) * D * W);
+                    for c in 0..D {
+                        let a = acc.add(c * W);
+                        _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), alpha));
+                    }
+                }
+                let mut sum = _mm512_setzero_ps();
+                let pb = pbuf.add(i * SEG_TILES * 8 * W);
+                for t in t0..t1 {
+                    let sp = sbuf.add((t - t0) * 2 * W * W + i * W * W);
+                    let pt = pb.add((t - t0) * 8 * W);
+                    for jp in 0..W / 2 {
+                        let mut e = [_mm512_setzero_ps(); 2];
+                        for (h, eh) in e.iter_mut().enumerate() {
+                            let x = _mm512_load_ps(sp.add((2 * jp + h) * W));
+                            let real = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(x, ninf);
+                            *eh = _mm512_maskz_mov_ps(real, exp_p(_mm512_sub_ps(x, m_new)));
+                        }
+                        sum = _mm512_add_ps(sum, _mm512_add_ps(e[0], e[1]));
+                        let pair = _mm512_or_si512(
+                            bf16_low(e[0]),
+                            _mm512_slli_epi32::<16>(bf16_low(e[1])),
+                        );
+                        _mm512_store_si512(pt.add(jp * W) as *mut _, pair);
+                    }
+                }
+                if (t1 - t0) % 2 == 1 {
+                    // the chunk's missing second tile: P zero (its V^T is zero too)
+                    let pt = pb.add((t1 - t0) * 8 * W);
+                    for jp in 0..W / 2 {
+                        _mm512_store_si512(pt.add(jp * W) as *mut _, _mm512_setzero_si512());
+                    }
+                }
+                _mm512_storeu_ps(mi, m_new);
+                _mm512_storeu_ps(li, _mm512_fmadd_ps(_mm512_loadu_ps(li), alpha, sum));
+            }
+            let nch = (t1 - t0).div_ceil(2);
+            for i in 0..nb {
+                let pb = pbuf.add(i * SEG_TILES * 8 * W);
+                let acc = acc_t.add((b + i) * D * W);
+                crate::amx::pv_seg::<D>(acc, s.vt.add(t0 / 2 * D * W), pb, nch);
+            }
+            t0 = t1;
+        }
+        b += nb;
+    }
+}

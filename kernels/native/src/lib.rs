@@ -71,6 +71,8 @@ pub const ISA_AVX2: u8 = 2;
 pub const ISA_NO_VNNI: u8 = 3;
 /// The best without AMX tiles (the transposed prefill path's products on AVX-512 BF16).
 pub const ISA_NO_AMX: u8 = 4;
+/// The best, with AMX tiles per key tile only (no `cols::head_seg`; for A/B runs).
+pub const ISA_NO_SEG: u8 = 5;
 
 /// Whether this CPU has AVX2, FMA and F16C (the `avx2::Avx2` instance).
 pub fn has_avx2() -> bool {
@@ -87,7 +89,7 @@ pub fn has_avx2() -> bool {
 
 /// (AVX-512, AVX2) as `isa` allows on this CPU: at most one is true.
 fn pick_isa(isa: u8) -> (bool, bool) {
-    let avx512 = matches!(isa, ISA_BEST | ISA_NO_VNNI | ISA_NO_AMX) && has_avx512();
+    let avx512 = matches!(isa, ISA_BEST | ISA_NO_VNNI | ISA_NO_AMX | ISA_NO_SEG) && has_avx512();
     (avx512, !avx512 && isa != ISA_PORTABLE && has_avx2())
 }
 
@@ -303,13 +305,19 @@ pub unsafe fn run(
     };
     // AMX tiles for the transposed prefill path where the CPU and OS have them (`amx.rs`)
     #[cfg(target_arch = "x86_64")]
-    let amx =
-        matches!(isa, ISA_BEST | ISA_NO_VNNI) && has_avx512() && use_dpbf16() && amx::available();
+    let amx = matches!(isa, ISA_BEST | ISA_NO_VNNI | ISA_NO_SEG)
+        && has_avx512()
+        && use_dpbf16()
+        && amx::available();
     #[cfg(not(target_arch = "x86_64"))]
     let amx = false;
     let ca;
     let c = if amx {
-        ca = Call { amx, ..*c };
+        ca = Call {
+            amx,
+            seg: isa != ISA_NO_SEG,
+            ..*c
+        };
         &ca
     } else {
         c

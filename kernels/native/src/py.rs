@@ -127,6 +127,7 @@ fn paged_attention(
         partial: partial as *mut f32,
         prefetch_next: prefetch_next(),
         amx: false,
+        seg: false,
     };
     let res = py.detach(|| unsafe {
         crate::run(
@@ -194,9 +195,10 @@ fn store_kv(
 }
 
 /// `isa` checked: 0 the best instance, 1 portable, 2 at most AVX2, 3 the best without the VNNI
-/// int8 / VBMI fp8 decode, 4 the best without AMX tiles (`crate::ISA_*`).
+/// int8 / VBMI fp8 decode, 4 the best without AMX tiles, 5 the best without the prefill's
+/// key segments (`crate::ISA_*`).
 fn isa_of(isa: u8) -> PyResult<u8> {
-    if isa > crate::ISA_NO_AMX {
+    if isa > crate::ISA_NO_SEG {
         return Err(PyValueError::new_err(format!(
             "unknown instruction-set code {isa}"
         )));
