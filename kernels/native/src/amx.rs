@@ -18,7 +18,12 @@
 //! | 6 | V^T, 16 columns (A) | 16 x 32 |
 //! | 7 | P pairs (B) | 8 x 64 |
 //!
-//! Invariants: `configure` runs on the thread before any tile op and `release` after the last
+//! The segment path (`cols::head_seg`) loads `PALETTE_SEG` instead (`configure_seg`: all eight
+//! tiles 16 x 64): `scores_seg64` keeps both blocks' query tiles (3-6) loaded over a segment's
+//! key tiles (K in 2 and 7, scores in 0-1); `pv_seg` keeps the accumulator in 0-3 over 32-key
+//! chunks (V^T in 4 and 6 in turn, P in 5).
+//!
+//! Invariants: `configure` (or `configure_seg`) runs on the thread before any tile op and `release` after the last
 //! (tile state is per thread; no other code of this crate touches it in between). The Linux
 //! kernel must have granted the process the tile data state (`available` asks once,
 //! `arch_prctl(ARCH_REQ_XCOMP_PERM)`). Rounding: products in fp32 as `vdpbf16ps`, denormal

@@ -17,6 +17,9 @@
 //! way on V re-laid as key pairs, with P rounded to bf16 (as flash attention's P.V). An item with
 //! at least `COLS_MIN_ROWS` rows per KV head on that path runs in transposed blocks of 16 rows
 //! instead (`cols.rs`: scores of one key for 16 rows per vector, a vertical online softmax).
+//! On AMX with a bf16 cache and no ALiBi, the tile loop only gathers each head's K rows and
+//! V^T for the item's whole key range; `cols::head_seg` then runs the blocks over it in 256-key
+//! segments (thread-local buffers, grown, never freed).
 //!
 //! Without either (AVX2), an item with at most `DIRECT_MAX_ROWS` rows per KV head (decode) and
 //! an fp32, bf16 or f16 cache skips the K tile's transpose: `qk_direct` dots each query row

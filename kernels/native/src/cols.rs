@@ -12,6 +12,9 @@
 //! transposes (the queries are laid out once per item, the accumulator transposed back once).
 //! P is rounded to bf16 before P.V, as on the row path and in flash attention.
 //! `block_amx_d`: the same block with both products on AMX tiles (`amx.rs`), where granted.
+//! `head_seg` (AMX, bf16 caches without ALiBi): the loops swapped, per pair of blocks over the
+//! head's keys gathered once, in segments of `SEG_TILES` tiles: one max and one accumulator
+//! rescale per segment, P.V with the accumulator held in tiles (no per-tile trip to memory).
 
 #![cfg(target_arch = "x86_64")]
 
