@@ -18,13 +18,14 @@
 //! | 6 | V^T, 16 columns (A) | 16 x 32 |
 //! | 7 | P pairs (B) | 8 x 64 |
 //!
-//! The segment path (`cols::head_seg`) loads `PALETTE_SEG` instead (`configure_seg`: all eight
-//! tiles 16 x 64): `scores_seg64` keeps both blocks' query tiles (3-6) loaded over a segment's
+//! The segment path (`cols::head_seg`) loads `PALETTE_FULL` instead (`configure_full`: all eight
+//! tiles 16 x 64, the palette the AMX linear loads too): `scores_seg64` keeps both blocks' query tiles (3-6) loaded over a segment's
 //! key tiles (K in 2 and 7, scores in 0-1); `pv_seg` keeps the accumulator in 0-3 over 32-key
 //! chunks (V^T in 4 and 6 in turn, P in 5).
 //!
-//! Invariants: `configure` (or `configure_seg`) runs on the thread before any tile op and `release` after the last
-//! (tile state is per thread; no other code of this crate touches it in between). The Linux
+//! Invariants: `configure` (or `configure_full`) runs on the thread before any tile op and
+//! `release` after the last (tile state is per thread; no other code of this crate touches it in
+//! between). The Linux
 //! kernel must have granted the process the tile data state (`available` asks once,
 //! `arch_prctl(ARCH_REQ_XCOMP_PERM)`). Rounding: products in fp32 as `vdpbf16ps`, denormal
 //! inputs as zero; the sum order differs, so bits may differ from the AVX-512 path's in the
@@ -104,8 +105,9 @@ const PALETTE: Palette = {
     Palette(p)
 };
 
-/// Palette 1 with all eight tiles 16 x 64 (`cols::head_seg`'s products, `scores_seg`).
-const PALETTE_SEG: Palette = {
+/// Palette 1 with all eight tiles 16 x 64: `cols::head_seg`'s products (`scores_seg64`,
+/// `pv_seg`) and the AMX linear (`linear::amx`).
+const PALETTE_FULL: Palette = {
     let mut p = [0u8; 64];
     p[0] = 1;
     let mut t = 0;
@@ -117,13 +119,14 @@ const PALETTE_SEG: Palette = {
     Palette(p)
 };
 
-/// Load `PALETTE_SEG`'s shapes on this thread (in place of `configure`'s).
+/// Load `PALETTE_FULL`'s shapes on this thread (in place of `configure`'s): all eight tiles
+/// 16 x 64.
 ///
 /// # Safety
 /// `available()` is true.
 #[inline(always)]
-pub unsafe fn configure_seg() {
-    asm!("ldtilecfg [{}]", in(reg) PALETTE_SEG.0.as_ptr(), options(nostack, readonly));
+pub unsafe fn configure_full() {
+    asm!("ldtilecfg [{}]", in(reg) PALETTE_FULL.0.as_ptr(), options(nostack, readonly));
 }
 
 /// `scores::<64, 2>` over `nt` consecutive tiles (`kb`: their 16 x 64 bf16 K rows each, tile
@@ -132,7 +135,7 @@ pub unsafe fn configure_seg() {
 /// product still reads waits for it). Registers: C 0-1, K 2 and 7, queries 3-6.
 ///
 /// # Safety
-/// `configure_seg` ran on this thread; the pointers cover the stated shapes.
+/// `configure_full` ran on this thread; the pointers cover the stated shapes.
 #[inline(always)]
 pub unsafe fn scores_seg64(kb: *const u16, q_t: *const u32, out: *mut f32, nt: usize) {
     asm!(
@@ -266,7 +269,7 @@ pub unsafe fn pv<const D: usize>(acc_t: *mut f32, vt: *const u32, p: *const u32)
 /// 64 columns at a time; tiles 4 and 6 take V^T in turn, 5 P.
 ///
 /// # Safety
-/// `configure_seg` ran on this thread; the pointers cover the stated shapes; `D % 16 == 0`.
+/// `configure_full` ran on this thread; the pointers cover the stated shapes; `D % 16 == 0`.
 #[inline(always)]
 pub unsafe fn pv_seg<const D: usize>(acc_t: *mut f32, vt: *const u32, p: *const u32, nch: usize) {
     macro_rules! on {
@@ -498,7 +501,7 @@ mod tests {
         p2[128..].copy_from_slice(&p);
         let mut acc2 = vec![1f32; D * 16];
         unsafe {
-            configure_seg();
+            configure_full();
             scores_seg64(k2.as_ptr(), q_t.as_ptr(), out2.as_mut_ptr(), 2);
             vt_from_rows_at(&ptrs, D, vt2.as_mut_ptr(), 16);
             vt_from_rows_at(&ptrs, D, vt2.as_mut_ptr().add(8), 16);

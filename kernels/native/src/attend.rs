@@ -580,7 +580,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let seg = amx && c.seg && F == 1 && c.alibi.is_null();
     #[cfg(target_arch = "x86_64")]
     if seg {
-        crate::amx::configure_seg();
+        crate::amx::configure_full();
     } else if amx {
         crate::amx::configure();
     }

@@ -505,7 +505,7 @@ pub unsafe fn head_seg_d(
 /// masks: a key is seen by a row if real, at most its position and (window) within it.
 ///
 /// # Safety
-/// `amx::configure_seg` ran on this thread; `q_t`, `acc_t`, `m`, `l` cover `nblk` blocks; `sbuf`
+/// `amx::configure_full` ran on this thread; `q_t`, `acc_t`, `m`, `l` cover `nblk` blocks; `sbuf`
 /// `SEG_TILES * 512` floats, `pbuf` `2 * SEG_TILES * 128` dwords; `s` as documented.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]

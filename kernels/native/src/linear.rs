@@ -644,28 +644,13 @@ pub mod tall {
 /// through fp32 scratch to the AVX-512 epilogue (bias, or SiLU-and-mul, rounded to bf16 as the
 /// AVX-512 path rounds). Rows of a last partial tile are copied into zeroed per-thread scratch
 /// (tiles of 16 rows read 16). Tiles: C 0-5 (3 row tiles x 2 column halves), A 6, B 7, all 16 x
-/// 64 bytes. A panel streams from memory once per call, the task's next panel prefetched into
+/// 64 bytes (`crate::amx::configure_full`). A panel streams from memory once per call, the task's next panel prefetched into
 /// L2 meanwhile. Needs `k % 32 == 0`.
 #[cfg(target_arch = "x86_64")]
 pub mod amx {
     use super::{avx512, Linear, NB};
     use std::arch::asm;
     use std::arch::x86_64::*;
-
-    #[repr(C, align(64))]
-    struct Palette([u8; 64]);
-
-    const PALETTE: Palette = {
-        let mut p = [0u8; 64];
-        p[0] = 1;
-        let mut t = 0;
-        while t < 8 {
-            p[16 + 2 * t] = 64;
-            p[48 + t] = 16;
-            t += 1;
-        }
-        Palette(p)
-    };
 
     /// Bytes ahead of the panel rows being read that the first row tile prefetches.
     const PREFETCH: usize = 4096;
@@ -843,7 +828,7 @@ pub mod amx {
                 (pad, c.k, tail)
             }
         };
-        asm!("ldtilecfg [{}]", in(reg) PALETTE.0.as_ptr(), options(nostack, readonly));
+        crate::amx::configure_full();
         let kp_n = c.k / 2;
         let step = if c.glu { 2 } else { 1 };
         let next_on = super::avx512::pf_next();
