@@ -231,6 +231,16 @@ def _linear_calls(native, ids, rows):
 
 @pytest.mark.skipif(not can_pack_small(), reason="no AVX-512 BF16: the small-batch kernel is off")
 def test_small_batches_take_the_native_linear_and_large_ones_onednn(monkeypatch):
+    # oneDNN's gate-up with SiLU as post-ops has its own test: here the old bits above the limit
+    monkeypatch.setenv("KVCORE_DNN_SILU_MUL", "0")
+    linear_mod._dnn_fuses_silu_mul.cache_clear()
+    try:
+        _small_native_large_onednn(monkeypatch)
+    finally:
+        linear_mod._dnn_fuses_silu_mul.cache_clear()
+
+
+def _small_native_large_onednn(monkeypatch):
     hf = _hf("tiny-qwen2", dtype=torch.bfloat16)  # q/k/v carry a bias
     native, _ = native_model(hf)
     ids = torch.randint(3, 256, (13,), generator=torch.Generator().manual_seed(4))
@@ -371,6 +381,46 @@ def test_silu_gate_up_runs_gated_with_the_two_step_bits(name):
             plain = linear_cpu.linear(x, linear_cpu.pack_linear(mlp.gate_up_proj.weight.detach()))
             assert torch.equal(got, mlp.act(plain))  # the same roundings as the two steps
             assert got.shape == (rows, mlp.gate_up_proj.output_sizes[0])
+
+
+@pytest.mark.skipif(
+    not (can_pack_small() and can_prepack()), reason="needs the native kernel and oneDNN's bf16"
+)
+def test_silu_gate_up_above_small_rows_runs_on_onednn_post_ops(monkeypatch):
+    # on an AMX CPU calls of more than SMALL_ROWS rows go to oneDNN; elsewhere set the split here
+    monkeypatch.setattr(linear_mod, "SMALL_ROWS", 16)
+    hf = _hf("tiny-llama", dtype=torch.bfloat16)
+    native, _ = native_model(hf)
+    prepack_linears(native)
+    mlps = [m for m in native.modules() if hasattr(m, "gate_up_proj")]
+    assert mlps
+    for mlp in mlps:  # the gate and up halves packed apart, no packed copy of the whole
+        assert mlp.gate_up_proj.packed_silu is not None and mlp.gate_up_proj.packed is None
+    gen = torch.Generator().manual_seed(6)
+    for rows in (16, 17, 40, 130):
+        x = torch.randn(rows, hf.config.hidden_size, generator=gen).bfloat16()
+        for mlp in mlps:
+            got = gate_up_act(mlp.gate_up_proj, mlp.act, x)
+            w = mlp.gate_up_proj.weight.detach().float()
+            g, u = F.linear(x.float(), w).chunk(2, dim=-1)
+            want = F.silu(g) * u
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+            # one bf16 rounding of the gate and one of the result (the two steps round 3 times)
+            assert ((got.float() - want).abs() / (want.abs() + 1e-2)).max() < 0.02
+            two_step = mlp.act(F.linear(x, mlp.gate_up_proj.weight))
+            assert (got.float() - two_step.float()).abs().max() <= 0.02 * want.abs().max()
+    # the switch: the whole weight packed once, the two steps with their bits again
+    monkeypatch.setenv("KVCORE_DNN_SILU_MUL", "0")
+    linear_mod._dnn_fuses_silu_mul.cache_clear()
+    try:
+        prepack_linears(native)
+        x = torch.randn(40, hf.config.hidden_size, generator=gen).bfloat16()
+        for mlp in mlps:
+            assert mlp.gate_up_proj.packed_silu is None and mlp.gate_up_proj.packed is not None
+            got = gate_up_act(mlp.gate_up_proj, mlp.act, x)
+            assert torch.equal(got, mlp.act(mlp.gate_up_proj(x)))
+    finally:
+        linear_mod._dnn_fuses_silu_mul.cache_clear()
 
 
 @pytest.mark.skipif(not can_prepack(), reason="oneDNN packs no bf16 weight here")

@@ -191,11 +191,13 @@ class ModelRunner:
                 mods = [m for m in self.native.modules() if hasattr(m, "gated")]
                 logger.info(
                     "kvcore: linear weights prepacked (%.0f MiB): %d bf16 for kvcore's kernel, "
-                    "%d bf16 for oneDNN, %d on fp32 GEMMs (%d of them bf16 weights: no bf16 "
-                    "GEMM on this CPU), %d with oneDNN's packed fp32 copy for few-row calls",
+                    "%d bf16 for oneDNN (%d gate-ups as halves, SiLU as a post-op), %d on fp32 "
+                    "GEMMs (%d of them bf16 weights: no bf16 GEMM on this CPU), %d with oneDNN's "
+                    "packed fp32 copy for few-row calls",
                     self.prepacked_bytes / 2**20,
                     sum(m.small is not None or m.gated is not None for m in mods),
-                    sum(m.packed is not None for m in mods),
+                    sum(m.packed is not None or m.packed_silu is not None for m in mods),
+                    sum(m.packed_silu is not None for m in mods),
                     sum(m.upcast is not None for m in mods),
                     sum(m.upcast is not None and m.weight.dtype == torch.bfloat16 for m in mods),
                     sum(m.upcast is not None and m.upcast[2] is not None for m in mods),

@@ -44,7 +44,14 @@ projection has no bias, ``prepack_linears`` packs that weight gated (gate panel 
 panel ``i``) in place of the plain native copy, and the kernel writes ``silu(gate) * up`` from
 its sums: the ``[T, 2I]`` product is neither written nor read again, and the bits are those of
 the plain product followed by ``ops_cpu.silu_and_mul`` (the same roundings).
-``KVCORE_FUSED_GATE_UP=0`` keeps the two steps.
+``KVCORE_FUSED_GATE_UP=0`` keeps the two steps. Where oneDNN takes the calls above ``SMALL_ROWS``
+(AMX CPUs: prefill chunks), such a gate-up is packed for it as its gate and up halves
+(``packed_silu``, in place of the whole weight's copy) and runs as two GEMMs with oneDNN's
+post-ops (as inductor's CPU linear fusions): SiLU on the gate's fp32 sums, the product with that
+on the up's. No ``[T, 2I]`` product is written and read again (2-core Xeon, SmolLM2's gate-up, 1
+thread: 0.98-1.20x the two steps at 65-2,048 rows; in the offline job the prefill steps' GEMMs
+3-11 % faster). Two roundings to bf16 instead of four: closer to fp32 (max error 2.7-4.9e-3
+against 4.5-6.4e-3), not the two steps' bits. ``KVCORE_DNN_SILU_MUL=0`` keeps the two steps there.
 
 **No bf16 GEMM on this CPU** (oneDNN refuses the bf16 re-lay: no AVX-512, no AVX-NE-CONVERT, e.g.
 an AVX2-only Zen 3): ``prepack_linears`` keeps an fp32 copy of each bf16 weight and ``_linear``
@@ -161,6 +168,25 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
+@functools.cache
+def _dnn_fuses_silu_mul() -> bool:
+    """Whether this torch's oneDNN linear takes the post-ops ``gate_up_act`` uses above
+    ``SMALL_ROWS`` (SiLU, and a product with another tensor) on a packed bf16 weight; probed
+    once on a 16 x 16 weight. ``KVCORE_DNN_SILU_MUL=0`` keeps the product and
+    ``silu_and_mul`` as two steps."""
+    if os.environ.get("KVCORE_DNN_SILU_MUL", "1") in ("0", "") or not _onednn_packs_bf16():
+        return False
+    ops = torch.ops.mkldnn
+    try:
+        w = ops._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16))
+        x = torch.ones(2, 16, dtype=torch.bfloat16)
+        g = ops._linear_pointwise(x, w, None, "swish", [], "")
+        ops._linear_pointwise.binary(x, g, w, None, "mul")
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
 def _small_linear_on() -> bool:
     return os.environ.get("KVCORE_SMALL_LINEAR", "1") not in ("0", "")
 
@@ -204,16 +230,24 @@ def _pack_bf16_linears(model: nn.Module, dnn: bool, small: bool) -> int:
         mod.gated = mod.upcast = None
         w = mod.weight
         if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2:
-            mod.packed = mod.small = None
+            mod.packed = mod.small = mod.packed_silu = None
             continue
         fits = small and w.shape[1] % 2 == 0 and (mod.bias is None or mod.bias.dtype == w.dtype)
         mod.small = linear_cpu.pack_linear(w.detach()) if fits else None
         if mod.small is not None and id(mod) in gated:
             mod.gated, mod.small = linear_cpu.pack_linear(w.detach(), glu=True), None
-        # oneDNN's copy: for the rows the native kernel does not take (all, if it cannot run)
-        mod.packed = None
+        # oneDNN's copy: for the rows the native kernel does not take (all, if it cannot run);
+        # a gated weight's as its gate and up halves, for gate_up_act's post-op fusion
+        mod.packed = mod.packed_silu = None
         if dnn and (not fits or SMALL_ROWS is not None):
-            mod.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
+            if mod.gated is not None and _dnn_fuses_silu_mul():
+                gate, up = w.detach().chunk(2)
+                mod.packed_silu = (
+                    torch.ops.mkldnn._reorder_linear_weight(gate.contiguous()),
+                    torch.ops.mkldnn._reorder_linear_weight(up.contiguous()),
+                )
+            else:
+                mod.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
             total += w.numel() * w.element_size()
         for packed in (mod.small, mod.gated):
             total += packed.nbytes if packed is not None else 0
@@ -238,7 +272,7 @@ def _upcast_linears(model: nn.Module) -> int:
     for mod in model.modules():
         if not isinstance(mod, (MergedLinear, Linear)):
             continue
-        mod.packed = mod.small = mod.gated = mod.upcast = None
+        mod.packed = mod.small = mod.gated = mod.upcast = mod.packed_silu = None
         w = mod.weight
         if not (w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2):
             continue
@@ -316,13 +350,15 @@ def gate_up_act(gate_up: MergedLinear, act: nn.Module, x: torch.Tensor) -> torch
     """``act(gate_up(x))``: one call of the native kernel on the gated weight where
     ``prepack_linears`` made one (and the rows are the kernel's), else the two steps."""
     gated = getattr(gate_up, "gated", None)
-    if (
-        gated is not None
-        and not torch.compiler.is_compiling()
-        and x.dim() == 2
-        and (SMALL_ROWS is None or x.shape[0] <= SMALL_ROWS)
-    ):
-        return linear_cpu.linear(x, gated)
+    if gated is not None and not torch.compiler.is_compiling() and x.dim() == 2:
+        if SMALL_ROWS is None or x.shape[0] <= SMALL_ROWS:
+            return linear_cpu.linear(x, gated)
+        split = getattr(gate_up, "packed_silu", None)
+        if split is not None:
+            # oneDNN's post-ops (as inductor's CPU linear fusions): SiLU on the gate GEMM's
+            # sums, the product with it on the up GEMM's; no [T, 2I] product and no pass over it
+            g = torch.ops.mkldnn._linear_pointwise(x, split[0], None, "swish", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(x, g, split[1], None, "mul")
     return act(gate_up(x))
 
 
@@ -339,6 +375,8 @@ class MergedLinear(nn.Module):
         self.packed: torch.Tensor | None = None  # prepack_linears: oneDNN's copy of weight
         self.small: linear_cpu.PackedLinear | None = None  # ... and the native kernel's
         self.gated: linear_cpu.PackedLinear | None = None  # ... or its gated one (gate_up_act)
+        # ... and then oneDNN's copies of its gate and up halves (gate_up_act above SMALL_ROWS)
+        self.packed_silu: tuple[torch.Tensor, torch.Tensor] | None = None
         self.upcast: UpcastWeights | None = None  # fp32 copies (and oneDNN's packed one)
 
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -366,6 +404,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # prepack_linears: oneDNN's copy of weight
         self.small: linear_cpu.PackedLinear | None = None  # ... and the native kernel's
         self.gated: linear_cpu.PackedLinear | None = None  # never set on a plain Linear
+        self.packed_silu: tuple[torch.Tensor, torch.Tensor] | None = None  # nor this
         self.upcast: UpcastWeights | None = None  # fp32 copies (and oneDNN's packed one)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
