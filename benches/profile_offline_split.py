@@ -1,12 +1,16 @@
 """Where the offline SmolLM2 job's wall time goes: GEMMs, attention (prefill and decode steps),
 the K/V store, the rest (the attention and store of a step's layers through
-``step_calls.LayerCalls`` counted as attention; a gated gate-up as a GEMM). Issue 24/25's
+``step_calls.LayerCalls`` counted as attention; a gated gate-up as a GEMM; GEMMs and attention
+each split by step kind: a step with one query token per request is a decode step). Issue 24/25's
 workload (``bench_vs_vllm_cpu.workload``: 48 prompts of
 128-384 random token ids, optionally after one shared 512-token prefix, 64 greedy tokens, EOS
 ignored), eager, kvcore's own model code. Each call is timed from Python by wrapping it (no
 profiler: its per-op cost would inflate the small ops), so the shares add up to the job's wall.
 
     python benches/profile_offline_split.py [--threads 2] [--workload random|shared] [--seed 0]
+
+The gate-up's oneDNN post-ops A/B (docs/engine.md): the same with ``KVCORE_DNN_SILU_MUL=0``,
+then ``=1``, alternated.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ def main() -> None:
     from bench_vs_vllm_cpu import workload
     from kvcore.entrypoints.llm import LLM
     from kvcore.params import SamplingParams
+    from kvcore.runner.model_runner import ModelRunner
     from kvcore_kernels.step_calls import LayerCalls
 
     native.kvcore_kernels = _TimedKernels()  # type: ignore[assignment]
@@ -90,8 +95,24 @@ def main() -> None:
             return timed(f"attention, {kind} steps", call)(q, k, v, cache, slots, meta, **kwargs)
 
     native.LayerCalls = TimedLayerCalls  # type: ignore[misc]
+    kind = ["prefill"]  # of the step being executed
+
+    def gemm(fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return timed(f"GEMMs, {kind[0]} steps", fn)(*args, **kwargs)
+
+        return call
+
+    execute = ModelRunner.execute
+
+    def kind_execute(self, plan, *args: Any, **kwargs: Any) -> Any:
+        decode = len(plan.input_ids) == len(plan.query_start_loc) - 1
+        kind[0] = "decode" if decode else "prefill"
+        return execute(self, plan, *args, **kwargs)
+
+    ModelRunner.execute = kind_execute  # type: ignore[method-assign]
     for mod in (llama, gemma):  # the gated gate-up (one kernel call) is a GEMM too
-        mod.gate_up_act = timed("GEMMs (linear layers)", mod.gate_up_act)  # type: ignore[attr-defined]
+        mod.gate_up_act = gemm(mod.gate_up_act)  # type: ignore[attr-defined]
     cascade = collections.Counter()
     build = cpu_native._build
 
@@ -103,7 +124,7 @@ def main() -> None:
         return work
 
     cpu_native._build = counted_build
-    linear._linear = timed("GEMMs (linear layers)", linear._linear)  # packed or F.linear
+    linear._linear = gemm(linear._linear)  # packed or F.linear
     llm = LLM(
         args.model_dir, dtype="bfloat16", num_blocks=4096, max_num_batched_tokens=2048,
         enforce_eager=True, model_impl="kvcore",

@@ -5,6 +5,7 @@ this path by default; here: every family's forward against transformers' in fp32
 reference attention, bf16 agreement, shared weights, the fallback and its switch, op counts.
 """
 
+import contextlib
 import logging
 
 import numpy as np
@@ -230,14 +231,22 @@ def _linear_calls(native, ids, rows):
 
 
 @pytest.mark.skipif(not can_pack_small(), reason="no AVX-512 BF16: the small-batch kernel is off")
-def test_small_batches_take_the_native_linear_and_large_ones_onednn(monkeypatch):
-    # oneDNN's gate-up with SiLU as post-ops has its own test: here the old bits above the limit
+@contextlib.contextmanager
+def _no_dnn_silu_mul(monkeypatch):
+    """``KVCORE_DNN_SILU_MUL=0`` (read once: its probe's cache cleared on entry and exit)."""
     monkeypatch.setenv("KVCORE_DNN_SILU_MUL", "0")
     linear_mod._dnn_fuses_silu_mul.cache_clear()
     try:
-        _small_native_large_onednn(monkeypatch)
+        yield
     finally:
+        monkeypatch.delenv("KVCORE_DNN_SILU_MUL")
         linear_mod._dnn_fuses_silu_mul.cache_clear()
+
+
+def test_small_batches_take_the_native_linear_and_large_ones_onednn(monkeypatch):
+    # oneDNN's gate-up with SiLU as post-ops has its own test: here the old bits above the limit
+    with _no_dnn_silu_mul(monkeypatch):
+        _small_native_large_onednn(monkeypatch)
 
 
 def _small_native_large_onednn(monkeypatch):
@@ -405,22 +414,19 @@ def test_silu_gate_up_above_small_rows_runs_on_onednn_post_ops(monkeypatch):
             g, u = F.linear(x.float(), w).chunk(2, dim=-1)
             want = F.silu(g) * u
             assert got.shape == want.shape and got.dtype == torch.bfloat16
-            # one bf16 rounding of the gate and one of the result (the two steps round 3 times)
+            # one bf16 rounding of SiLU(gate) and one of the result (the two steps round four
+            # times: gate, up, SiLU, product)
             assert ((got.float() - want).abs() / (want.abs() + 1e-2)).max() < 0.02
             two_step = mlp.act(F.linear(x, mlp.gate_up_proj.weight))
             assert (got.float() - two_step.float()).abs().max() <= 0.02 * want.abs().max()
     # the switch: the whole weight packed once, the two steps with their bits again
-    monkeypatch.setenv("KVCORE_DNN_SILU_MUL", "0")
-    linear_mod._dnn_fuses_silu_mul.cache_clear()
-    try:
+    with _no_dnn_silu_mul(monkeypatch):
         prepack_linears(native)
         x = torch.randn(40, hf.config.hidden_size, generator=gen).bfloat16()
         for mlp in mlps:
             assert mlp.gate_up_proj.packed_silu is None and mlp.gate_up_proj.packed is not None
             got = gate_up_act(mlp.gate_up_proj, mlp.act, x)
             assert torch.equal(got, mlp.act(mlp.gate_up_proj(x)))
-    finally:
-        linear_mod._dnn_fuses_silu_mul.cache_clear()
 
 
 @pytest.mark.skipif(not can_prepack(), reason="oneDNN packs no bf16 weight here")

@@ -50,7 +50,7 @@ the plain product followed by ``ops_cpu.silu_and_mul`` (the same roundings).
 post-ops (as inductor's CPU linear fusions): SiLU on the gate's fp32 sums, the product with that
 on the up's. No ``[T, 2I]`` product is written and read again (2-core Xeon, SmolLM2's gate-up, 1
 thread: 0.98-1.20x the two steps at 65-2,048 rows; in the offline job the prefill steps' GEMMs
-3-11 % faster). Two roundings to bf16 instead of four: closer to fp32 (max error 2.7-4.9e-3
+3-12 % faster). Two roundings to bf16 instead of four: closer to fp32 (max error 2.7-4.9e-3
 against 4.5-6.4e-3), not the two steps' bits. ``KVCORE_DNN_SILU_MUL=0`` keeps the two steps there.
 
 **No bf16 GEMM on this CPU** (oneDNN refuses the bf16 re-lay: no AVX-512, no AVX-NE-CONVERT, e.g.
