@@ -2,7 +2,8 @@
 ``LLM`` (bf16, eager, kvcore's model code, prefix cache off so every round prefills) runs
 issue 24's workload (48 random prompts of 128-384 tokens, 64 greedy tokens) alternately with
 ``cpu_native.OPTIONS.isa`` set to each choice (``auto`` / ``noamx``: the attention's AMX
-tiles on or off; ``noseg``: on, without the prefill's key segments of ``cols::head_seg``), so
+tiles on or off; ``noseg``: on, without the prefill's key segments of ``cols::head_seg``;
+``nodec``: on, with bf16 decode on the AVX-512 tile loop instead of ``dec_amx.rs``), so
 start-up and machine drift fall on both sides alike. Prints each
 round's wall and, per choice, the median and the ratio to the first choice.
 

@@ -85,8 +85,9 @@ class Options:
     mode: str = os.environ.get("KVCORE_NATIVE_THREADS", "omp")
     portable: bool = os.environ.get("KVCORE_NATIVE_PORTABLE", "") not in ("", "0")
     # auto | avx2 | portable | novnni (the best without the VNNI int8 / VBMI fp8 decode) |
-    # noamx (the best without AMX tiles on the prefill path) | noseg (AMX tiles per key tile,
-    # not the prefill's key segments of ``cols::head_seg``; for A/B runs)
+    # noamx (the best without AMX tiles) | noseg (AMX tiles per key tile,
+    # not the prefill's key segments of ``cols::head_seg``; for A/B runs) | nodec (bf16 decode
+    # on the AVX-512 tile loop, not AMX's ``dec_amx.rs``; for A/B runs)
     isa: str = os.environ.get("KVCORE_NATIVE_ISA", "auto")
     split_keys: int | None = None  # tests: split every item into runs of this many keys
     # one task per item for all its KV heads (True), one per KV head (False), or by the code
@@ -104,7 +105,9 @@ class Options:
 
 OPTIONS = Options()
 # the extension's ISA_BEST / _PORTABLE / _AVX2 / _NO_VNNI / _NO_AMX
-ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "novnni": 3, "noamx": 4, "noseg": 5}
+ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "novnni": 3, "noamx": 4, "noseg": 5, "nodec": 6}
+# the best instance, or it with one A/B switch that leaves the VNNI decode and the linear alone
+_BEST_ISAS = tuple(ISA_CODES[k] for k in ("auto", "noamx", "noseg", "nodec"))
 
 
 def _isa() -> int:
@@ -140,7 +143,7 @@ def fuse_heads_for(fmt: int, query_dtype: torch.dtype | None = None) -> bool:
     if fmt in (FMT_INT8, FMT_E4M3, FMT_E5M2):
         return (
             avx512
-            and _isa() in (ISA_CODES["auto"], ISA_CODES["noamx"], ISA_CODES["noseg"])
+            and _isa() in _BEST_ISAS
             and _cpu_has_vnni()
             and query_dtype in (None, torch.bfloat16)
         )
@@ -472,6 +475,6 @@ def linear(
     _bind_openmp()
     _native.linear(
         x, x_stride, rows, k, w, n_out, bias, out, out_stride, torch.get_num_threads(),
-        MODES[OPTIONS.mode], _isa() not in (0, ISA_CODES["noamx"], ISA_CODES["noseg"]), glu,
+        MODES[OPTIONS.mode], _isa() not in _BEST_ISAS, glu,
         linear_tall_allowed(),
     )  # fmt: skip

@@ -207,6 +207,52 @@ def test_quantized_decode_matches_twin_on_both_avx512_paths(
     _compare(native, twin, torch.bfloat16)
 
 
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    heads=st.sampled_from([(3, 3), (9, 3), (8, 2), (12, 4), (16, 1), (32, 2), (17, 1)]),
+    head_dim=st.sampled_from([32, 64, 96, 128, 48]),
+    block_size=st.sampled_from([8, 12, 16, 32, 64]),
+    ctx=st.lists(st.integers(0, 700), min_size=1, max_size=5),
+    window=st.one_of(st.none(), st.integers(1, 300)),
+    soft_cap=st.one_of(st.none(), st.floats(1.0, 30.0)),
+    split_keys=st.sampled_from([None, 16, 48]),
+    release=st.booleans(),
+    isa=st.sampled_from(["auto", "nodec"]),
+    fuse_heads=st.sampled_from([None, True]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_bf16_decode_on_amx_tiles_matches_twin(
+    heads, head_dim, block_size, ctx, window, soft_cap, split_keys, release, isa, fuse_heads,
+    seed, monkeypatch,
+):  # fmt: skip
+    """bf16 decode (one query token per request) over a bf16 cache: on a CPU with AMX
+    (``isa="auto"``) the scores of a KV head's query rows (up to 16) are tile products over K
+    rows read in place, the softmax takes two passes (``dec_amx.rs``); ``"nodec"`` runs the
+    AVX-512 tile loop; rows over 16 (GQA 17/1) and head dim 48 fall back to it. Against the
+    twin: tiles across blocks (block size 8, 12), partial tiles, windows, soft-capping, forced
+    splits (the partial path), released blocks (never read: the null block is NaN)."""
+    monkeypatch.setattr(cpu_native.OPTIONS, "isa", isa)
+    monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", split_keys)
+    monkeypatch.setattr(cpu_native.OPTIONS, "fuse_heads", fuse_heads)
+    gen = torch.Generator().manual_seed(seed)
+    b = make_batch(gen, [(c, 1) for c in ctx], block_size=block_size, num_q_heads=heads[0],
+                   num_kv_heads=heads[1], head_dim=head_dim, dtype=torch.bfloat16)  # fmt: skip
+    table = b.block_table.clone()
+    if release:
+        for r, c in enumerate(ctx):
+            if (c + 1) // block_size >= 3:
+                table[r, 1] = 0  # a released block inside the sequence
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, table, block_size)
+    draw = {"window": window, "soft_cap": soft_cap, "alibi": False, "seed": seed}
+    options = _features(b, draw)
+    out = torch.full_like(b.query, float("nan"))
+    native = kk.paged_attention(b.query, b.kv_cache, meta, **options, backend="cpu", out=out)
+    twin = kk.paged_attention(b.query, b.kv_cache, meta, **options, backend="torch")
+    _compare(native, twin, torch.bfloat16)
+
+
 @pytest.mark.parametrize("fuse_heads", [False, True])
 @pytest.mark.parametrize("mode", ["single", "omp", "rayon"])
 def test_thread_modes_and_splits_agree(mode, fuse_heads, monkeypatch, gen):

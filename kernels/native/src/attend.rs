@@ -21,6 +21,10 @@
 //! V^T for the item's whole key range; `cols::head_seg` then runs the blocks over it in 256-key
 //! segments (thread-local buffers, grown, never freed).
 //!
+//! On AMX with a bf16 cache, a decode item (one query token, up to 16 query heads per KV head,
+//! no ALiBi) runs in `dec_amx.rs` instead: its scores as tile products over K rows read in
+//! place, a two-pass softmax, P.V as below.
+//!
 //! Without either (AVX2), an item with at most `DIRECT_MAX_ROWS` rows per KV head (decode) and
 //! an fp32, bf16 or f16 cache skips the K tile's transpose: `qk_direct` dots each query row
 //! with K rows read in place, eight lanes of partial sums per key summed by horizontal adds
@@ -141,6 +145,8 @@ pub struct Call {
     pub amx: bool,
     /// with `amx`: whether bf16 items without ALiBi run by row blocks (`cols::head_seg`)
     pub seg: bool,
+    /// with `amx`: whether bf16 decode items run on tiles (`dec_amx.rs`)
+    pub dec: bool,
 }
 
 unsafe impl Sync for Call {}
@@ -234,7 +240,7 @@ pub(crate) fn evenodd_row(row: &mut [f32]) {
 }
 
 /// Keys ahead of the current tile whose K and V rows are prefetched.
-const PREFETCH_KEYS: i64 = 64;
+pub(crate) const PREFETCH_KEYS: i64 = 64;
 /// Keys of a tile's next 16 prefetched at its start and after the first head's scores (the
 /// rest after its softmax), by element bytes (2-4: 4-8 lines a key and head; 1: 2 lines).
 /// Measured per format, interleaved (8 x 4K and 1 x 16K decode, warm): bf16 rows 12 % faster
@@ -281,7 +287,7 @@ unsafe fn prefetch_row(p: *const u8, bytes: usize) {
 /// time: one table read per run, then a row stride per key (a table read and the address per
 /// key cost ~14 % of a bf16 or int8 decode tile).
 #[inline(always)]
-unsafe fn prefetch_keys(
+pub(crate) unsafe fn prefetch_keys(
     c: &Call,
     table: *const i64,
     key0: i64,
@@ -544,6 +550,11 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let hk = c.num_kv_heads;
     let g = c.num_q_heads / hk;
     let hrows = ntok * g; // rows of one KV head: r = i * g + gg
+                          // bf16 decode on AMX tiles (`dec_amx.rs`)
+    #[cfg(target_arch = "x86_64")]
+    if S::DPBF16 && F == 1 && crate::dec_amx::eligible(c, ntok, g) {
+        return crate::dec_amx::run(c, item, heads, next);
+    }
     let (h0, h1) = heads; // this task's KV heads
     let rows = (h1 - h0) * hrows; // head hh's rows start at (hh - h0) * hrows
     let nc = d / W;

@@ -29,6 +29,7 @@ pub mod attend;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 pub mod cols;
+pub mod dec_amx;
 pub mod linear;
 pub mod ops;
 pub mod pool;
@@ -73,6 +74,9 @@ pub const ISA_NO_VNNI: u8 = 3;
 pub const ISA_NO_AMX: u8 = 4;
 /// The best, with AMX tiles per key tile only (no `cols::head_seg`; for A/B runs).
 pub const ISA_NO_SEG: u8 = 5;
+/// The best, with bf16 decode items on the AVX-512 tile loop instead of AMX (`dec_amx.rs`; for
+/// A/B runs).
+pub const ISA_NO_DEC: u8 = 6;
 
 /// Whether this CPU has AVX2, FMA and F16C (the `avx2::Avx2` instance).
 pub fn has_avx2() -> bool {
@@ -89,7 +93,10 @@ pub fn has_avx2() -> bool {
 
 /// (AVX-512, AVX2) as `isa` allows on this CPU: at most one is true.
 fn pick_isa(isa: u8) -> (bool, bool) {
-    let avx512 = matches!(isa, ISA_BEST | ISA_NO_VNNI | ISA_NO_AMX | ISA_NO_SEG) && has_avx512();
+    let avx512 = matches!(
+        isa,
+        ISA_BEST | ISA_NO_VNNI | ISA_NO_AMX | ISA_NO_SEG | ISA_NO_DEC
+    ) && has_avx512();
     (avx512, !avx512 && isa != ISA_PORTABLE && has_avx2())
 }
 
@@ -305,7 +312,7 @@ pub unsafe fn run(
     };
     // AMX tiles for the transposed prefill path where the CPU and OS have them (`amx.rs`)
     #[cfg(target_arch = "x86_64")]
-    let amx = matches!(isa, ISA_BEST | ISA_NO_VNNI | ISA_NO_SEG)
+    let amx = matches!(isa, ISA_BEST | ISA_NO_VNNI | ISA_NO_SEG | ISA_NO_DEC)
         && has_avx512()
         && use_dpbf16()
         && amx::available();
@@ -316,6 +323,7 @@ pub unsafe fn run(
         ca = Call {
             amx,
             seg: isa != ISA_NO_SEG,
+            dec: isa != ISA_NO_DEC,
             ..*c
         };
         &ca

@@ -128,6 +128,7 @@ fn paged_attention(
         prefetch_next: prefetch_next(),
         amx: false,
         seg: false,
+        dec: false,
     };
     let res = py.detach(|| unsafe {
         crate::run(
@@ -196,9 +197,9 @@ fn store_kv(
 
 /// `isa` checked: 0 the best instance, 1 portable, 2 at most AVX2, 3 the best without the VNNI
 /// int8 / VBMI fp8 decode, 4 the best without AMX tiles, 5 the best without the prefill's
-/// key segments (`crate::ISA_*`).
+/// key segments, 6 the best without the AMX decode (`crate::ISA_*`).
 fn isa_of(isa: u8) -> PyResult<u8> {
-    if isa > crate::ISA_NO_SEG {
+    if isa > crate::ISA_NO_DEC {
         return Err(PyValueError::new_err(format!(
             "unknown instruction-set code {isa}"
         )));
