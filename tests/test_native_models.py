@@ -454,6 +454,30 @@ def _run(model, prompts, **kw):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
+def test_cpu_attention_takes_the_fused_outputs_strided_views(monkeypatch):
+    """On a plain CPU cache the model's q / k / v (views into the fused QKV and rotary outputs,
+    rows strided by all heads) reach the native store and kernel as they are, not copied; the
+    greedy tokens stay transformers'."""
+    strided = {"q": 0, "kv": 0}
+    real_run, real_store = cpu_native.run, cpu_native.store
+
+    def run(query, *args, **kwargs):
+        strided["q"] += not query.is_contiguous()
+        return real_run(query, *args, **kwargs)
+
+    def store(key, value, *args, **kwargs):
+        strided["kv"] += not (key.is_contiguous() or value.is_contiguous())
+        return real_store(key, value, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_native, "run", run)
+    monkeypatch.setattr(cpu_native, "store", store)
+    model = tiny_llama(seed=3, **SMALL)
+    prompts = [np.random.default_rng(i).integers(3, 128, 9 + 5 * i).tolist() for i in range(3)]
+    _, got = _run(model, prompts)
+    assert strided["q"] > 0 and strided["kv"] > 0
+    assert got == [hf_greedy(model, p, 8, pad_token_id=0) for p in prompts]
+
+
 def test_fallback_switch_gives_the_same_tokens(monkeypatch, caplog):
     model = tiny_llama(seed=3, **SMALL)
     prompts = [np.random.default_rng(i).integers(3, 128, 9 + 5 * i).tolist() for i in range(3)]
