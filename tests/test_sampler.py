@@ -6,6 +6,7 @@ import torch
 from kvcore import InvalidArgumentError
 from kvcore.engine.sampler import Sampler, mix_seed
 from kvcore.params import SamplingParams
+from kvcore_kernels import cpu_native
 
 VOCAB = 50
 
@@ -30,6 +31,31 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
     ref = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1, keepdim=True))[:, 0]
     np.testing.assert_allclose(out.logprobs, ref.numpy(), rtol=1e-6)
     assert out.top_ids is None
+
+
+def test_greedy_bf16_logits_are_not_widened_and_give_the_same_tokens(monkeypatch):
+    """Greedy rows only (no logprobs, penalties or temperature): bf16 logits go to the argmax as
+    they are (the native one on the CPU, without an fp32 copy), with the fp32 answer, ties
+    included; a row asking for logprobs brings the fp32 path back."""
+    widened = []
+    real_float = torch.Tensor.float
+
+    def float_(self, *args, **kwargs):
+        widened.append(self.shape)
+        return real_float(self, *args, **kwargs)
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(-3, 4, (6, VOCAB), generator=g).bfloat16()  # many ties
+    s, slots = _sampler(*[SamplingParams(temperature=0)] * 6)
+    monkeypatch.setattr(torch.Tensor, "float", float_)
+    out = s.sample(logits, slots, np.zeros(6, np.int64))
+    monkeypatch.setattr(torch.Tensor, "float", real_float)
+    if cpu_native.available():  # without the extension NumPy's argmax widens (the old path)
+        assert widened == []
+    assert out.token_ids.tolist() == torch.argmax(logits.float(), -1).tolist()
+    s2, slots2 = _sampler(SamplingParams(temperature=0, logprobs=0), *[SamplingParams()] * 5)
+    out2 = s2.sample(logits, slots2, np.zeros(6, np.int64))
+    assert out2.token_ids[0] == out.token_ids[0] and out2.logprobs is not None
 
 
 def test_top_logprobs():

@@ -446,6 +446,12 @@ def elementwise(
     )  # fmt: skip
 
 
+def argmax_bf16(x: int, rows: int, n: int, stride: int, out: int) -> None:
+    """Row-wise argmax of bf16 rows over addresses (``ops_cpu.argmax_rows`` checked the tensor)
+    into ``out`` (int64), on the calling thread."""
+    _native.argmax_bf16(x, rows, n, stride, out)
+
+
 def linear_fast_path() -> bool:
     """Whether the small-batch linear has its AVX-512 BF16 path here (False without the
     extension)."""

@@ -14,6 +14,9 @@ of squares do (one bf16 step, rarely).
     silu_and_mul(gate_up)               -> silu(gate) * up, gate_up = [gate | up]
     rotary_(x, cos, sin)                -> x [T, H, D] rotated by cos, sin [T, D/2]
         ([x1 | x2] -> [x1 c - x2 s | x2 c + x1 s]); bf16 native: in place, x is returned.
+    argmax_rows(x)                      -> int64 [rows]: each row's first index of its largest
+        value, NaN above all (as ``torch.argmax``); bf16 native without widening to fp32
+        (``kernels/native/src/argmax.rs``: greedy sampling over a step's bf16 logits).
 
 ``backend``: "auto" (native for bf16 CPU tensors of a layout it takes, outside ``torch.compile``;
 else the twin), "torch" (the twin), "cpu" (native, ``KernelConfigError`` where it cannot).
@@ -170,3 +173,27 @@ def rotary_(
         sin.data_ptr(), 0, 0, 0.0, x.shape[1], x.stride(1),
     )  # fmt: skip
     return x
+
+
+def argmax_rows_torch(x: torch.Tensor) -> torch.Tensor:
+    """The reference: ``torch.argmax`` over the last dim of a 2-D tensor."""
+    return torch.argmax(x, dim=-1)
+
+
+def argmax_rows_native_ok(x: torch.Tensor) -> bool:
+    """Whether ``argmax_rows`` runs natively on ``x``: bf16 CPU, 2-D, non-empty unit-stride rows."""
+    return _native_ok(x) and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1
+
+
+def argmax_rows(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Each row's first index of its largest value (NaN above all) of a 2-D ``x``, int64."""
+    ok = argmax_rows_native_ok(x)
+    if not _pick(backend, ok, "argmax"):
+        return argmax_rows_torch(x)
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        cpu_native.argmax_bf16(
+            x.data_ptr(), rows, n, x.stride(0) if rows > 1 else n, out.data_ptr()
+        )
+    return out

@@ -112,6 +112,41 @@ def test_rotary_is_bit_exact_in_place(isa, rows, seed, heads, d, extra):
     assert torch.equal(qkv[:, heads * d :], tail)  # the V heads untouched
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 6),
+    n=st.integers(1, 3000),
+    pad=st.integers(0, 40),
+    specials=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_argmax_rows_matches_torch_argmax(rows, n, pad, specials, seed):
+    """bf16 rows with many ties (and, drawn, -0 / +0, infinities, NaN), strided inside a wider
+    tensor: the native argmax gives ``torch.argmax``'s index (the first on ties, the first
+    NaN) of the values widened to fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-4, 5, (rows, n + pad), generator=gen).float()
+    if specials:
+        pick = torch.randint(0, 200, x.shape, generator=gen)
+        x[pick == 0] = -0.0
+        x[pick == 1] = float("inf")
+        x[pick == 2] = float("-inf")
+        x[pick == 3] = float("nan") if seed % 3 == 0 else 0.0
+    x = x.bfloat16()[:, :n]
+    got = ops_cpu.argmax_rows(x, backend="cpu")
+    assert got.dtype == torch.int64
+    assert torch.equal(got, torch.argmax(x.float(), dim=-1))
+
+
+def test_argmax_rows_refuses_what_it_cannot_do():
+    with pytest.raises(KernelConfigError):
+        ops_cpu.argmax_rows(torch.zeros(2, 3), backend="cpu")  # fp32: the twin's job
+    with pytest.raises(KernelConfigError):
+        ops_cpu.argmax_rows(torch.zeros(2, 0, dtype=torch.bfloat16), backend="cpu")
+    x = torch.zeros(2, 3)
+    assert torch.equal(ops_cpu.argmax_rows(x), torch.argmax(x, dim=-1))  # auto: the twin
+
+
 def test_auto_takes_the_twin_where_native_cannot():
     gen = torch.Generator().manual_seed(0)
     x32 = torch.randn(4, 64, generator=gen)

@@ -25,6 +25,7 @@
 
 #[cfg(target_arch = "x86_64")]
 pub mod amx;
+pub mod argmax;
 pub mod attend;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;

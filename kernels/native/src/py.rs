@@ -367,12 +367,35 @@ fn features() -> (bool, bool, bool, bool, bool, bool) {
     )
 }
 
+/// Row-wise argmax of `rows` bf16 rows of `n` values, `stride` elements apart, into `out`
+/// (int64): the first index of the largest value, NaN above all (`argmax.rs`); releases the GIL.
+#[pyfunction]
+fn argmax_bf16(
+    py: Python<'_>,
+    x: usize,
+    rows: usize,
+    n: usize,
+    stride: usize,
+    out: usize,
+) -> PyResult<()> {
+    if n == 0 || (rows > 1 && stride < n) {
+        return Err(PyValueError::new_err(format!(
+            "argmax takes rows of n > 0 values at least n apart, got n {n}, stride {stride}"
+        )));
+    }
+    py.detach(|| unsafe {
+        crate::argmax::argmax_rows(x as *const u16, rows, n, stride, out as *mut i64)
+    });
+    Ok(())
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(store_kv, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise, m)?)?;
     m.add_function(wrap_pyfunction!(linear, m)?)?;
+    m.add_function(wrap_pyfunction!(argmax_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(linear_fast_path, m)?)?;
     m.add_function(wrap_pyfunction!(linear_avx2_path, m)?)?;
     m.add_function(wrap_pyfunction!(set_gomp_parallel, m)?)?;

@@ -1,0 +1,172 @@
+//! Row-wise argmax of bf16 values (greedy sampling over a step's bf16 logits, without widening
+//! them to fp32 first).
+//!
+//! Each value maps to an order-preserving 16-bit key (`key`): a larger value has a larger key,
+//! -0 and +0 share one, any NaN is above everything. The answer is the first index of the
+//! largest key per row: NumPy's and torch's argmax (first index on ties, the first NaN where a
+//! row has one). AVX-512 BW: 32 keys per vector, per lane the best key and the first block
+//! where it was seen, then the lanes reduced; elsewhere a scalar loop. One pass over the row,
+//! nothing allocated.
+
+/// The order-preserving key of bf16 bits `b`.
+#[inline(always)]
+pub fn key(b: u16) -> u16 {
+    if b & 0x7fff > 0x7f80 {
+        return 0xffff; // NaN
+    }
+    let b = if b == 0x8000 { 0 } else { b }; // -0 as +0
+    if b & 0x8000 != 0 {
+        !b
+    } else {
+        b | 0x8000
+    }
+}
+
+/// First index of the largest key of `row` (0 for an empty row).
+pub fn argmax_portable(row: &[u16]) -> usize {
+    let mut best = 0;
+    let mut bk = 0u16;
+    for (i, &b) in row.iter().enumerate() {
+        let k = key(b);
+        if k > bk || i == 0 {
+            bk = k;
+            best = i;
+        }
+    }
+    best
+}
+
+/// `argmax_portable` of the `n` values at `p`, 32 at a time.
+///
+/// # Safety
+/// AVX-512 BW on this CPU; `p` points to `n` readable bf16 values; `n / 32 <= u16::MAX`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub unsafe fn argmax_avx512(p: *const u16, n: usize) -> usize {
+    use std::arch::x86_64::*;
+    let nb = n / 32;
+    if nb == 0 {
+        return argmax_portable(std::slice::from_raw_parts(p, n));
+    }
+    let top = _mm512_set1_epi16(0x8000u16 as i16);
+    let abs = _mm512_set1_epi16(0x7fff);
+    let inf = _mm512_set1_epi16(0x7f80);
+    let ones = _mm512_set1_epi16(-1);
+    let zero = _mm512_setzero_si512();
+    let mut best = zero; // below every key (the lowest, -inf's, is 0x007f)
+    let mut bidx = zero;
+    for blk in 0..nb {
+        let v = _mm512_loadu_si512(p.add(32 * blk) as *const _);
+        let v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(v, top), zero);
+        let k = _mm512_xor_si512(v, _mm512_or_si512(_mm512_srai_epi16::<15>(v), top));
+        let nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, abs), inf);
+        let k = _mm512_mask_mov_epi16(k, nan, ones);
+        let gt = _mm512_cmpgt_epu16_mask(k, best);
+        best = _mm512_mask_mov_epi16(best, gt, k);
+        bidx = _mm512_mask_mov_epi16(bidx, gt, _mm512_set1_epi16(blk as u16 as i16));
+    }
+    let mut keys = [0u16; 32];
+    let mut blks = [0u16; 32];
+    _mm512_storeu_si512(keys.as_mut_ptr() as *mut _, best);
+    _mm512_storeu_si512(blks.as_mut_ptr() as *mut _, bidx);
+    let (mut bk, mut bi) = (0u16, usize::MAX);
+    for lane in 0..32 {
+        let i = blks[lane] as usize * 32 + lane;
+        if keys[lane] > bk || (keys[lane] == bk && i < bi) {
+            bk = keys[lane];
+            bi = i;
+        }
+    }
+    for i in 32 * nb..n {
+        let k = key(*p.add(i));
+        if k > bk {
+            bk = k;
+            bi = i;
+        }
+    }
+    bi
+}
+
+/// `out[r]` = the argmax of row `r` (`rows` rows of `n` values, `stride` elements apart).
+///
+/// # Safety
+/// `x` holds the rows, `out` has `rows` writable slots.
+pub unsafe fn argmax_rows(x: *const u16, rows: usize, n: usize, stride: usize, out: *mut i64) {
+    #[cfg(target_arch = "x86_64")]
+    let fast = crate::has_avx512() && n / 32 <= u16::MAX as usize;
+    #[cfg(not(target_arch = "x86_64"))]
+    let fast = false;
+    for r in 0..rows {
+        let p = x.add(r * stride);
+        #[cfg(target_arch = "x86_64")]
+        let i = if fast {
+            argmax_avx512(p, n)
+        } else {
+            argmax_portable(std::slice::from_raw_parts(p, n))
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let i = argmax_portable(std::slice::from_raw_parts(p, n));
+        *out.add(r) = i as i64;
+    }
+    let _ = fast;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bits(x: f32) -> u16 {
+        (x.to_bits() >> 16) as u16
+    }
+
+    #[test]
+    fn keys_order_values_and_put_nan_on_top() {
+        let xs = [
+            f32::NEG_INFINITY,
+            -3.0,
+            -1.0,
+            -0.0,
+            0.0,
+            1e-30,
+            2.0,
+            f32::INFINITY,
+        ];
+        for w in xs.windows(2) {
+            let (a, b) = (key(bits(w[0])), key(bits(w[1])));
+            if w[0] == w[1] {
+                assert_eq!(a, b);
+            } else {
+                assert!(a < b, "{} {}", w[0], w[1]);
+            }
+        }
+        assert_eq!(key(bits(f32::NAN)), 0xffff);
+        assert_eq!(key(bits(-f32::NAN)), 0xffff);
+    }
+
+    #[test]
+    fn vector_path_matches_the_scalar_one() {
+        #[cfg(target_arch = "x86_64")]
+        if crate::has_avx512() {
+            let mut seed = 7u64;
+            for n in [1usize, 5, 31, 32, 33, 64, 100, 1000, 4099] {
+                for case in 0..20 {
+                    let row: Vec<u16> = (0..n)
+                        .map(|_| {
+                            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                            let v = ((seed >> 33) % 9) as f32 - 4.0; // many ties
+                            match (seed >> 20) % 97 {
+                                0 if case % 3 == 0 => bits(f32::NAN),
+                                1 => bits(-0.0),
+                                2 => bits(f32::NEG_INFINITY),
+                                _ => bits(v),
+                            }
+                        })
+                        .collect();
+                    let want = argmax_portable(&row);
+                    let got = unsafe { argmax_avx512(row.as_ptr(), n) };
+                    assert_eq!(got, want, "n {n} case {case}");
+                }
+            }
+        }
+    }
+}
