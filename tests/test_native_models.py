@@ -230,7 +230,6 @@ def _linear_calls(native, ids, rows):
     return out, count.get("mkldnn::_linear_pointwise", 0)
 
 
-@pytest.mark.skipif(not can_pack_small(), reason="no AVX-512 BF16: the small-batch kernel is off")
 @contextlib.contextmanager
 def _no_dnn_silu_mul(monkeypatch):
     """``KVCORE_DNN_SILU_MUL=0`` (read once: its probe's cache cleared on entry and exit)."""
@@ -243,6 +242,7 @@ def _no_dnn_silu_mul(monkeypatch):
         linear_mod._dnn_fuses_silu_mul.cache_clear()
 
 
+@pytest.mark.skipif(not can_pack_small(), reason="no AVX-512 BF16: the small-batch kernel is off")
 def test_small_batches_take_the_native_linear_and_large_ones_onednn(monkeypatch):
     # oneDNN's gate-up with SiLU as post-ops has its own test: here the old bits above the limit
     with _no_dnn_silu_mul(monkeypatch):
