@@ -151,12 +151,13 @@ class Sampler:
         lp_k = self._logprobs[slots]
         pen_rows = self._pen_row[slots]
         has_pen = pen_rows >= 0
+        any_pen, want_lp = bool(has_pen.any()), bool((lp_k >= 0).any())
         sampled = np.nonzero(params[:, _TEMP] > 0)[0]
-        if (lp_k >= 0).any() or has_pen.any() or sampled.size:
+        if want_lp or any_pen or sampled.size:
             logits = logits.float()  # else greedy rows only: the argmax of the logits as they are
         # Logprobs are those of the raw model distribution, before penalties and temperature.
-        logp = torch.log_softmax(logits, dim=-1) if (lp_k >= 0).any() else None
-        if has_pen.any():
+        logp = torch.log_softmax(logits, dim=-1) if want_lp else None
+        if any_pen:
             logits = logits.clone()
             self._apply_penalties(logits, np.nonzero(has_pen)[0], pen_rows[has_pen], params)
         tokens = argmax_rows(logits)
@@ -164,7 +165,7 @@ class Sampler:
             tokens[torch.from_numpy(sampled).to(self.device)] = self._sample_rows(
                 logits, sampled, params, slots, output_index
             )
-        if has_pen.any():  # count the chosen tokens for the next step's penalties
+        if any_pen:  # count the chosen tokens for the next step's penalties
             rows = torch.from_numpy(pen_rows[has_pen]).to(self.device)
             chosen = tokens[torch.from_numpy(np.nonzero(has_pen)[0]).to(self.device)]
             ones = torch.ones_like(chosen, dtype=torch.int32)
