@@ -20,12 +20,14 @@ thread each; the worst case over seeds; and the token-for-token agreement of the
 
 **The GEMM floor and the ceiling.** After each timed case a kvcore worker counts the job's
 linear-layer FLOPs (``gemm_flops``: the tokens the decoder layers saw, prefix-cache hits
-excluded, and one LM-head row per output token) and measures this machine's best GEMM rate at
+excluded, the last layer's o_proj and MLP on the sampled rows only, and one LM-head row per
+output token) and measures this machine's best GEMM rate at
 its thread count right then (``gemm_peak_gflops``: fp32 ``F.linear``, and bf16 on a CPU with
 native bf16, on the model's gate-up shape at 2,048 rows). Their quotient is the *GEMM floor*:
 the wall the job would take if it were nothing but its GEMMs at that rate. vLLM runs the same
-GEMMs, so vLLM's measured wall over kvcore's floor is a *ceiling*: the ratio no kvcore could
-exceed on this machine without doing fewer FLOPs. ``min_ceiling_*`` is the lowest over seeds:
+GEMMs and more (the last layer in full for every row), so vLLM's measured wall over kvcore's
+floor is a *ceiling*: the ratio no kvcore could exceed on this machine without doing fewer
+FLOPs. ``min_ceiling_*`` is the lowest over seeds:
 the worst case's ratio can be no higher, so where it is below a target ratio, the target is out
 of reach of any forward on that CPU.
 
@@ -92,14 +94,17 @@ def kvcore_worker(model_dir: str, threads: int, mode: str):
 
 
 def gemm_flops(config, fed_tokens: int, sampled_rows: int) -> float:
-    """The job's linear-layer FLOPs: every token fed through the decoder layers' projections
-    (prompt tokens not served by the prefix cache, and each output token but the last), and
-    one LM-head row per output token (the logits of the sampled rows only)."""
+    """kvcore's linear-layer FLOPs for the job: every token fed through the decoder layers'
+    projections (prompt tokens not served by the prefix cache, and each output token but the
+    last), except that the last layer's o_proj and MLP run on the sampled rows only, and one
+    LM-head row per sampled row (one per output token)."""
     e, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     hq, hk = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or e // hq
-    per_layer = e * (hq + 2 * hk) * d + hq * d * e + e * 2 * i + i * e  # qkv, o, gate-up, down
-    return 2.0 * (fed_tokens * layers * per_layer + sampled_rows * config.vocab_size * e)
+    after_attn = hq * d * e + e * 2 * i + i * e  # o, gate-up, down
+    per_layer = e * (hq + 2 * hk) * d + after_attn  # + qkv
+    skipped = (fed_tokens - sampled_rows) * after_attn  # the last layer's unsampled rows
+    return 2.0 * (fed_tokens * layers * per_layer - skipped + sampled_rows * config.vocab_size * e)
 
 
 def gemm_peak_gflops(config, rows: int = 2048, rounds: int = 5) -> float:

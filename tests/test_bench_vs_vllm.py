@@ -29,8 +29,20 @@ def test_gemm_flops_are_the_models_linear_layers(name: str) -> None:
     body = [m for m in hf.modules() if isinstance(m, nn.Linear) and m is not head]
     assert body, "no linear layers found"
     per_token = sum(m.in_features * m.out_features for m in body)
+    last = hf.model.layers[-1]
+    qkv = (last.self_attn.q_proj, last.self_attn.k_proj, last.self_attn.v_proj)
+    # the last layer runs its o_proj and MLP on the sampled rows only
+    after_attn = sum(
+        m.in_features * m.out_features
+        for m in last.modules()
+        if isinstance(m, nn.Linear) and all(m is not p for p in qkv)
+    )
     fed, sampled = 1_000, 37
-    want = 2 * (fed * per_token + sampled * head.in_features * head.out_features)
+    want = 2 * (
+        fed * per_token
+        - (fed - sampled) * after_attn
+        + sampled * head.in_features * head.out_features
+    )
     assert b.gemm_flops(hf.config, fed, sampled) == want
 
 

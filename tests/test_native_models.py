@@ -83,6 +83,35 @@ def test_forward_equals_transformers_fp32(name):
     assert torch.equal(again, ref)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma2"])
+def test_last_layer_runs_o_proj_and_mlp_on_the_sampled_rows_only(name):
+    """Every layer's attention sees all 20 rows (it stores their K/V); the last layer's o_proj
+    and MLP see only the 3 sampled rows, the other layers' all 20; the logits stay the ones a
+    forward keeping every row gives for those rows."""
+    hf = _hf(name)
+    ids = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(0))
+    native, _ = native_model(hf)
+    rows: dict[str, list[int]] = {"qkv": [], "o": [], "down": []}
+    hooks = [
+        mod.register_forward_hook(lambda m, a, out, key=key: rows[key].append(a[0].shape[0]))
+        for layer in native.model.layers
+        for key, mod in (
+            ("qkv", layer.self_attn.qkv_proj),
+            ("o", layer.self_attn.o_proj),
+            ("down", layer.mlp.down_proj),
+        )
+    ]
+    keep = torch.tensor([3, 11, 19])
+    with torch.no_grad():
+        got = native(ids, torch.arange(20), keep, DenseStep())
+        for h in hooks:
+            h.remove()
+        every = native(ids, torch.arange(20), torch.arange(20), DenseStep())
+    assert rows["qkv"] == [20, 20, 20]
+    assert rows["o"] == rows["down"] == [20, 20, 3]
+    torch.testing.assert_close(got, every[keep], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
 def test_forward_agrees_with_transformers_bf16(name):
     hf = _hf(name, dtype=torch.bfloat16)

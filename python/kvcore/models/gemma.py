@@ -19,6 +19,8 @@ A decoder layer (packed tokens ``T``, hidden ``E``)::
     h = post_attention_layernorm(h)
     h, res = pre_feedforward_layernorm(h, res)
     h = post_feedforward_layernorm(down_proj(gelu(gate) * up))
+
+The last layer runs its o_proj and MLP on the sampled rows only (``keep``), as ``llama.py``.
 """
 
 from __future__ import annotations
@@ -56,7 +58,12 @@ class GemmaAttention(nn.Module):
         self.attn = Attention(layer_idx, config.query_pre_attn_scalar**-0.5, window, softcap)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepAttention
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: StepAttention,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hq, hk, d = self.hq, self.hk, self.d
         qkv = self.qkv_proj(h)  # [T, (Hq + 2Hk) * D]
@@ -69,7 +76,10 @@ class GemmaAttention(nn.Module):
             k = apply_rotary(
                 self.k_norm(qkv[:, hq * d : (hq + hk) * d].unflatten(1, (hk, d))), cos, sin
             )
-        return self.o_proj(self.attn(q, k, v, step).flatten(1))
+        o = self.attn(q, k, v, step).flatten(1)  # [T, Hq * D]: every row's K/V is stored
+        if keep is not None:  # last layer: only the sampled rows go on
+            o = o.index_select(0, keep)
+        return self.o_proj(o)
 
 
 class GemmaMLP(nn.Module):
@@ -103,12 +113,16 @@ class GemmaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         step: StepAttention,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keep`` (the last layer only): the sampled rows, as ``LlamaDecoderLayer``."""
         if res is None:
             res, h = h, self.input_layernorm(h)
         else:
             h, res = self.input_layernorm(h, res)
-        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, step))
+        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, step, keep))
+        if keep is not None:
+            res = res.index_select(0, keep)
         h, res = self.pre_feedforward_layernorm(h, res)
         return self.post_feedforward_layernorm(self.mlp(h)), res
 
@@ -125,14 +139,20 @@ class GemmaModel(nn.Module):
         self.rotaries = nn.ModuleDict(rotaries)  # layer type -> Rotary (one entry for Gemma 2)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        step: StepAttention,
+        keep: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden state and residual of the ``keep`` rows [K, E]."""
         h = self.embed_tokens(input_ids) * self.normalizer.to(self.embed_tokens.weight.dtype)
         tables = {t: r.cos_sin(positions, h.dtype) for t, r in self.rotaries.items()}  # per step
         res = None
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
             cos, sin = tables.get(layer.layer_type) or tables[FULL]
-            h, res = layer(h, res, cos, sin, step)
+            h, res = layer(h, res, cos, sin, step, keep if i == last else None)
         return h, res
 
 
@@ -164,8 +184,8 @@ class GemmaForCausalLM(nn.Module):
         keep: torch.Tensor,  # int64 [K]
         step: StepAttention,
     ) -> torch.Tensor:
-        h, res = self.model(input_ids, positions, step)
-        h, _ = self.model.norm(h.index_select(0, keep), res.index_select(0, keep))
+        h, res = self.model(input_ids, positions, step, keep)  # [K, E]
+        h, _ = self.model.norm(h, res)
         logits = self.lm_head(h)  # [K, vocab]
         if self.final_softcap:
             cap = self.final_softcap

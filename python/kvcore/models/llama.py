@@ -20,9 +20,11 @@ A decoder layer, packed tokens ``T`` (the step's every request in one row), hidd
     h = down_proj(silu(gate) * up)         # gate_up_proj: one GEMM              [T, E]
 
 The residual add lives in the next norm's call (``layers.norm``); the LM head runs on the
-sampled rows only (``keep``). Weights come from the transformers model (``load_from``), whose
-tensors are shared, not copied: q/k/v and gate/up are copied into the fused weights and the
-transformers parameters then point into them.
+sampled rows only (``keep``), and so do the last layer's o_proj and MLP: its attention stores
+every row's K/V, after that only the sampled rows matter (llama.cpp's ``inp_out_ids``). Weights
+come from the transformers model (``load_from``), whose tensors are shared, not copied: q/k/v
+and gate/up are copied into the fused weights and the transformers parameters then point into
+them.
 """
 
 from __future__ import annotations
@@ -100,7 +102,12 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, d**-0.5, spec.windows[layer_idx])
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepAttention
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: StepAttention,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hq, hk, d = self.hq, self.hk, self.d
         qkv = self.qkv_proj(h)  # [T, (Hq + 2Hk) * D]
@@ -113,8 +120,10 @@ class LlamaAttention(nn.Module):
             k = apply_rotary(
                 self.k_norm(qkv[:, hq * d : (hq + hk) * d].unflatten(1, (hk, d))), cos, sin
             )
-        o = self.attn(q, k, v, step)  # [T, Hq, D]
-        return self.o_proj(o.flatten(1))
+        o = self.attn(q, k, v, step).flatten(1)  # [T, Hq * D]: every row's K/V is stored
+        if keep is not None:  # last layer: only the sampled rows go on
+            o = o.index_select(0, keep)  # [K, Hq * D]
+        return self.o_proj(o)
 
 
 class LlamaMLP(nn.Module):
@@ -144,12 +153,17 @@ class LlamaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         step: StepAttention,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keep`` (the last layer only): the rows whose logits are sampled; the attention
+        still runs for every row (it stores their K/V), the rest for the kept rows only."""
         if res is None:  # first layer: the embedding is the residual
             res, h = h, self.input_layernorm(h)
         else:
             h, res = self.input_layernorm(h, res)
-        h = self.self_attn(h, cos, sin, step)
+        h = self.self_attn(h, cos, sin, step, keep)
+        if keep is not None:
+            res = res.index_select(0, keep)
         h, res = self.post_attention_layernorm(h, res)
         return self.mlp(h), res
 
@@ -164,13 +178,19 @@ class LlamaModel(nn.Module):
         self.rotary = rotary
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        step: StepAttention,
+        keep: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden state and residual of the ``keep`` rows [K, E]."""
         h = self.embed_tokens(input_ids)  # [T, E]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # once per step
         res = None
-        for layer in self.layers:
-            h, res = layer(h, res, cos, sin, step)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            h, res = layer(h, res, cos, sin, step, keep if i == last else None)
         return h, res
 
 
@@ -197,6 +217,6 @@ class LlamaForCausalLM(nn.Module):
         keep: torch.Tensor,  # int64 [K]: rows whose logits are sampled
         step: StepAttention,
     ) -> torch.Tensor:
-        h, res = self.model(input_ids, positions, step)
-        h, _ = self.model.norm(h.index_select(0, keep), res.index_select(0, keep))  # [K, E]
+        h, res = self.model(input_ids, positions, step, keep)  # [K, E]
+        h, _ = self.model.norm(h, res)
         return self.lm_head(h)  # [K, vocab]
