@@ -26,7 +26,7 @@
 //! place, a two-pass softmax, P.V as below.
 //!
 //! Without either (AVX2), an item with at most `DIRECT_MAX_ROWS` rows per KV head (decode) and
-//! an fp32, bf16 or f16 cache skips the K tile's transpose: `qk_direct` dots each query row
+//! any cache format skips the K tile's transpose: `qk_direct` dots each query row
 //! with K rows read in place, eight lanes of partial sums per key summed by horizontal adds
 //! (bf16 rows widened as their even and odd dimensions, so the query rows are re-laid to
 //! match), and P.V keeps two sets of accumulators (even and odd keys) for its FMA latency.
@@ -239,8 +239,21 @@ pub(crate) fn evenodd_row(row: &mut [f32]) {
     }
 }
 
-/// Keys ahead of the current tile whose K and V rows are prefetched.
+/// Keys ahead of the current tile whose K and V rows are prefetched (one head; `pf_ahead`).
 pub(crate) const PREFETCH_KEYS: i64 = 64;
+
+/// Keys ahead for a task over `nh` heads of `elem_bytes` elements: `PREFETCH_KEYS` for one head;
+/// for several, about the bytes one bf16 head has ahead, in whole tiles (bf16 over 3 heads: 16
+/// keys; int8 / fp8: 32). A task over a block's 3 heads on a Zen 3 (AVX2, bf16, 8 x 16K decode,
+/// one thread, prefetches evenly spread): 16 keys ahead 10.7-11.5 ms, 32: 11.1-11.9, 64:
+/// 12.0-12.2.
+fn pf_ahead(nh: usize, elem_bytes: usize) -> i64 {
+    let w = W as i64;
+    if nh <= 1 {
+        return PREFETCH_KEYS;
+    }
+    (PREFETCH_KEYS * 2 / (nh * elem_bytes) as i64).max(w) / w * w
+}
 /// Keys of a tile's next 16 prefetched at its start and after the first head's scores (the
 /// rest after its softmax), by element bytes (2-4: 4-8 lines a key and head; 1: 2 lines).
 /// Measured per format, interleaved (8 x 4K and 1 x 16K decode, warm): bf16 rows 12 % faster
@@ -251,6 +264,23 @@ const fn pf_split(elem_bytes: usize) -> (i64, i64) {
     } else {
         (6, 11)
     }
+}
+
+/// Keys of a tile's next 16 prefetched by its prefetch point `pt`: 0 at the tile's start, then
+/// `2 i + 1` after head `i`'s scores and `2 i + 2` after its softmax, for `nh` heads a task.
+/// One head: `pf_split`. Several (a task over a block's heads, `fuse_heads`): the 16 keys spread
+/// evenly over the `2 nh + 1` points, as a steady stream of a few lines at a time (in a probe of
+/// this access pattern on a Zen 3, bursts of a whole block's lines read at 9-11 GB/s, evenly
+/// spread ones at 16-17, a plain sequential read at 18).
+#[inline(always)]
+fn pf_goal(elem_bytes: usize, nh: usize, pt: usize) -> i64 {
+    let w = W as i64;
+    if nh == 1 {
+        let (a, b) = pf_split(elem_bytes);
+        return [a, b, w][pt.min(2)];
+    }
+    let pts = 2 * nh as i64 + 1;
+    ((w * (pt as i64 + 1) + pts - 1) / pts).min(w)
 }
 
 /// Bytes per stored element of format `F`.
@@ -305,17 +335,23 @@ pub(crate) unsafe fn prefetch_keys(
         let blk = *table.add(bi);
         if !(blk == 0 && c.released) {
             let b = c.kv.add(blk as usize * c.stride_block);
-            for hh in heads.0..heads.1 {
-                let h = b.add(hh * c.stride_head);
-                let mut r = h.add(t0 * c.stride_tok);
+            // in address order (a token's heads, then the next token; K's run, then V's)
+            for off in [0, c.v_offset] {
+                let mut r = b.add(t0 * c.stride_tok + off);
                 for _ in t0..t1 {
-                    prefetch_row(r, row_bytes);
-                    prefetch_row(r.add(c.v_offset), row_bytes);
+                    for hh in heads.0..heads.1 {
+                        prefetch_row(r.add(hh * c.stride_head), row_bytes);
+                    }
                     r = r.add(c.stride_tok);
                 }
-                if int8 && (t0 == 0 || k == first) {
+            }
+            if int8 && (t0 == 0 || k == first) {
+                for hh in heads.0..heads.1 {
                     // the block's scales of this head: K's then V's (2 bs halves, maybe 2 lines)
-                    prefetch_row(h.add(c.scale_offset), 4 * c.block_size + 63);
+                    prefetch_row(
+                        b.add(hh * c.stride_head + c.scale_offset),
+                        4 * c.block_size + 63,
+                    );
                 }
             }
         }
@@ -619,9 +655,9 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let seg_s = seg_vt.wrapping_add((heads.1 - heads.0) * seg_vt_head) as *mut f32;
     let seg_p = seg_s.wrapping_add(crate::cols::SEG_TILES * 2 * W * W) as *mut u32;
     let seg_tmask = seg_p.wrapping_add(2 * crate::cols::SEG_TILES * 8 * W) as *mut u16;
-    // Few rows per KV head (decode) and a K format the AVX2 instance widens in registers:
-    // scores straight from the K rows (`qk_direct`), no transposed K tile.
-    let direct = S::QK_DIRECT && !dpbf16 && F <= 2 && d % 16 == 0 && hrows <= DIRECT_MAX_ROWS;
+    // Few rows per KV head (decode) on the AVX2 instance, which widens every K format in
+    // registers: scores straight from the K rows (`qk_direct`), no transposed K tile.
+    let direct = S::QK_DIRECT && !dpbf16 && d % 16 == 0 && hrows <= DIRECT_MAX_ROWS;
     // int8 decode with AVX-512 VNNI: integer dot products of the codes (`vnni.rs`); the query
     // rows as two int8 parts in `qb`'s space, the accumulator in its permuted layout.
     #[cfg(target_arch = "x86_64")]
@@ -734,8 +770,9 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let bs = c.block_size as i64;
     let int8 = F == 3;
     let row_bytes = d * elem_bytes(F);
-    // Keys PREFETCH_KEYS ahead of the tile are prefetched (K and V rows of every head): a
-    // request's blocks are scattered, so the hardware prefetcher cannot guess them.
+    // Keys `ahead` of the tile are prefetched (K and V rows of every head): a request's blocks
+    // are scattered, so the hardware prefetcher cannot guess them.
+    let ahead = pf_ahead(h1 - h0, elem_bytes(F));
     let mut pf_key = key_lo;
     // The task this thread runs next (`pool::for_each_ahead`): its block table, keys, heads.
     let next = next.filter(|_| c.prefetch_next).map(|(it, nh)| {
@@ -751,23 +788,23 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let mut k0 = key_lo;
     while k0 < key_hi {
         let n = (key_hi - k0).min(W as i64) as usize;
-        // Part of the keys ahead now, the rest later in the tile (`pf_split`): a burst of all
+        // Part of the keys ahead now, the rest later in the tile (`pf_goal`): a burst of all
         // 16 keys' lines (64 for bf16 rows of 128 bytes) overflowed the misses the core keeps
         // in flight (bf16 decode 1.05-1.36x the time of prefetches spread per key).
         // (all of them on the transposed path, which never reaches the later points)
         let pf_first = if cols {
             W as i64
         } else {
-            pf_split(elem_bytes(F)).0
+            pf_goal(elem_bytes(F), h1 - h0, 0)
         };
-        let pf_end = (k0 + pf_first + PREFETCH_KEYS).min(key_hi);
+        let pf_end = (k0 + pf_first + ahead).min(key_hi);
         if pf_key < pf_end {
             prefetch_keys(c, table, pf_key, pf_end, (h0, h1), row_bytes, int8, key_lo);
             pf_key = pf_end;
         }
         // Past the item's last key: the first keys of the item this thread runs next.
         if let Some((ntable, nlo, nhi, nheads)) = next {
-            let want = nlo + (k0 + W as i64 + PREFETCH_KEYS - key_hi).min(nhi - nlo);
+            let want = nlo + (k0 + W as i64 + ahead - key_hi).min(nhi - nlo);
             if nx_key < want {
                 prefetch_keys(c, ntable, nx_key, want, nheads, row_bytes, int8, nlo);
                 nx_key = want;
@@ -1091,8 +1128,9 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     r += 4;
                 }
             }
-            if hh == h0 {
-                let pf_end = (k0 + pf_split(elem_bytes(F)).1 + PREFETCH_KEYS).min(key_hi);
+            {
+                let pt = 1 + 2 * (hh - h0);
+                let pf_end = (k0 + pf_goal(elem_bytes(F), h1 - h0, pt) + ahead).min(key_hi);
                 if pf_key < pf_end {
                     prefetch_keys(c, table, pf_key, pf_end, (h0, h1), row_bytes, int8, key_lo);
                     pf_key = pf_end;
@@ -1142,8 +1180,9 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 }
                 (if int8 { e.mul(vsc) } else { e }).store(pr);
             }
-            if hh == h0 {
-                let pf_end = (k0 + W as i64 + PREFETCH_KEYS).min(key_hi);
+            {
+                let pt = 2 + 2 * (hh - h0);
+                let pf_end = (k0 + pf_goal(elem_bytes(F), h1 - h0, pt) + ahead).min(key_hi);
                 if pf_key < pf_end {
                     prefetch_keys(c, table, pf_key, pf_end, (h0, h1), row_bytes, int8, key_lo);
                     pf_key = pf_end;
@@ -1424,5 +1463,33 @@ pub unsafe fn merge(c: &Call, grp: usize, h: usize) {
             }
             c.dt.write(dst, e, o * inv);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The prefetch schedule of a tile: one head keeps its measured split; several spread the 16
+    /// keys over every point (rising, a few keys each, all 16 by the last head's softmax).
+    #[test]
+    fn prefetch_points_cover_the_tile_evenly() {
+        for eb in [1, 2, 4] {
+            let (a, b) = pf_split(eb);
+            assert_eq!([0, 1, 2].map(|pt| pf_goal(eb, 1, pt)), [a, b, W as i64]);
+            assert_eq!(pf_ahead(1, eb), PREFETCH_KEYS);
+            for nh in 2..=8 {
+                let goals: Vec<i64> = (0..=2 * nh).map(|pt| pf_goal(eb, nh, pt)).collect();
+                assert_eq!(*goals.last().unwrap(), W as i64);
+                let steps: Vec<i64> = goals.windows(2).map(|w| w[1] - w[0]).collect();
+                assert!(goals[0] > 0 && steps.iter().all(|&s| s >= 0), "{goals:?}");
+                assert!(goals[0] <= 6 && steps.iter().all(|&s| s <= 6), "{goals:?}");
+                let ahead = pf_ahead(nh, eb);
+                assert!(ahead >= W as i64 && ahead % W as i64 == 0 && ahead <= PREFETCH_KEYS);
+            }
+        }
+        assert_eq!(pf_ahead(3, 2), 16); // bf16 over SmolLM2's 3 KV heads (measured)
+        assert_eq!(pf_ahead(3, 4), 16);
+        assert_eq!(pf_ahead(3, 1), 32);
     }
 }

@@ -145,9 +145,9 @@ unsafe fn e4m3_8(p: *const u8) -> __m256 {
     )
 }
 
-/// Dimensions `16 c .. 16 c + 16` of a K row of format `F` as two fp32 vectors: for fp32 and
-/// f16 the first and the last eight, for bf16 the even and the odd ones (one load, a shift and
-/// a mask: the word pairs of a dword are the two halves' bf16 bits).
+/// Dimensions `16 c .. 16 c + 16` of a K row of format `F` as two fp32 vectors: for fp32, f16,
+/// int8 codes and fp8 the first and the last eight, for bf16 the even and the odd ones (one load, a
+/// shift and a mask: the word pairs of a dword are the two halves' bf16 bits).
 #[inline(always)]
 unsafe fn chunk16<const F: u8>(row: *const u8, c: usize) -> (__m256, __m256) {
     match F {
@@ -162,12 +162,25 @@ unsafe fn chunk16<const F: u8>(row: *const u8, c: usize) -> (__m256, __m256) {
                 _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(-65536))),
             )
         }
-        _ => {
+        2 => {
             let p = (row as *const __m128i).add(2 * c);
             (
                 _mm256_cvtph_ps(_mm_loadu_si128(p)),
                 _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
             )
+        }
+        3 => {
+            // int8 codes (the token's scale multiplies the score afterwards)
+            let p = (row as *const i8).add(16 * c);
+            (i8_8(p), i8_8(p.add(8)))
+        }
+        4 => {
+            let v = <Avx2 as Simd>::load_e4m3(row.add(16 * c));
+            (v.0, v.1)
+        }
+        _ => {
+            let v = <Avx2 as Simd>::load_e5m2(row.add(16 * c));
+            (v.0, v.1)
         }
     }
 }
@@ -461,7 +474,8 @@ mod tests {
         qk_direct_cases();
     }
 
-    /// `qk_direct` against scalar dot products: every format it takes, 1-4 rows, 1-16 keys,
+    /// `qk_direct` against scalar dot products: every format it takes (fp32, bf16, f16, int8
+    /// codes, fp8), 1-4 rows, 1-16 keys,
     /// head dims 16-128, missing keys as zero rows.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn qk_direct_cases() {
@@ -472,18 +486,25 @@ mod tests {
                 .collect();
             let kb: Vec<u16> = kf.iter().map(|&x| simd::f32_to_bf16(x)).collect();
             let kh: Vec<u16> = kf.iter().map(|&x| simd::f32_to_f16(x)).collect();
+            let k8: Vec<i8> = (0..nkeys * d).map(|i| (i * 7 % 251) as i8).collect();
+            // fp8 codes: every byte but NaN's (e4m3 0x7f / 0xff; e5m2's 0x7c.. are inf / NaN)
+            let c8: Vec<u8> = (0..nkeys * d)
+                .map(|i| (i * 11 % 120) as u8 | (i as u8 & 0x80))
+                .collect();
             let q: Vec<f32> = (0..4 * d)
                 .map(|i| ((i * 13 % 37) as f32 - 18.0) / 16.0)
                 .collect();
             let zero = vec![0u8; 4 * d];
-            for fmt in 0u8..3 {
+            for fmt in 0u8..6 {
                 for nk in 1..=W {
                     let mut k = [zero.as_ptr(); W];
                     for (j, kp) in k.iter_mut().enumerate().take(nk) {
                         *kp = match fmt {
                             0 => kf.as_ptr().add(j * d) as *const u8,
                             1 => kb.as_ptr().add(j * d) as *const u8,
-                            _ => kh.as_ptr().add(j * d) as *const u8,
+                            2 => kh.as_ptr().add(j * d) as *const u8,
+                            3 => k8.as_ptr().add(j * d) as *const u8,
+                            _ => c8.as_ptr().add(j * d),
                         };
                     }
                     let mut qx = q.clone();
@@ -510,7 +531,28 @@ mod tests {
                                     nk,
                                     p.as_mut_ptr(),
                                 ),
-                                _ => Avx2::qk_direct::<2, $nr>(
+                                2 => Avx2::qk_direct::<2, $nr>(
+                                    qx.as_ptr(),
+                                    d,
+                                    &k,
+                                    nk,
+                                    p.as_mut_ptr(),
+                                ),
+                                3 => Avx2::qk_direct::<3, $nr>(
+                                    qx.as_ptr(),
+                                    d,
+                                    &k,
+                                    nk,
+                                    p.as_mut_ptr(),
+                                ),
+                                4 => Avx2::qk_direct::<4, $nr>(
+                                    qx.as_ptr(),
+                                    d,
+                                    &k,
+                                    nk,
+                                    p.as_mut_ptr(),
+                                ),
+                                _ => Avx2::qk_direct::<5, $nr>(
                                     qx.as_ptr(),
                                     d,
                                     &k,
@@ -532,7 +574,10 @@ mod tests {
                                 let kv = |e: usize| match fmt {
                                     0 => kf[j * d + e],
                                     1 => simd::bf16_to_f32(kb[j * d + e]),
-                                    _ => simd::f16_to_f32(kh[j * d + e]),
+                                    2 => simd::f16_to_f32(kh[j * d + e]),
+                                    3 => k8[j * d + e] as f32,
+                                    4 => simd::e4m3_to_f32(c8[j * d + e]),
+                                    _ => simd::e5m2_to_f32(c8[j * d + e]),
                                 };
                                 let want: f32 = (0..d).map(|e| q[x * d + e] * kv(e)).sum();
                                 let got = p[x * W + j];
