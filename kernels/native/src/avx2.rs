@@ -514,51 +514,20 @@ mod tests {
                         }
                     }
                     let mut p = [0f32; 4 * W];
+                    macro_rules! call {
+                        ($f:literal, $nr:literal) => {
+                            Avx2::qk_direct::<$f, $nr>(qx.as_ptr(), d, &k, nk, p.as_mut_ptr())
+                        };
+                    }
                     macro_rules! run {
                         ($nr:literal) => {
                             match fmt {
-                                0 => Avx2::qk_direct::<0, $nr>(
-                                    qx.as_ptr(),
-                                    d,
-                                    &k,
-                                    nk,
-                                    p.as_mut_ptr(),
-                                ),
-                                1 => Avx2::qk_direct::<1, $nr>(
-                                    qx.as_ptr(),
-                                    d,
-                                    &k,
-                                    nk,
-                                    p.as_mut_ptr(),
-                                ),
-                                2 => Avx2::qk_direct::<2, $nr>(
-                                    qx.as_ptr(),
-                                    d,
-                                    &k,
-                                    nk,
-                                    p.as_mut_ptr(),
-                                ),
-                                3 => Avx2::qk_direct::<3, $nr>(
-                                    qx.as_ptr(),
-                                    d,
-                                    &k,
-                                    nk,
-                                    p.as_mut_ptr(),
-                                ),
-                                4 => Avx2::qk_direct::<4, $nr>(
-                                    qx.as_ptr(),
-                                    d,
-                                    &k,
-                                    nk,
-                                    p.as_mut_ptr(),
-                                ),
-                                _ => Avx2::qk_direct::<5, $nr>(
-                                    qx.as_ptr(),
-                                    d,
-                                    &k,
-                                    nk,
-                                    p.as_mut_ptr(),
-                                ),
+                                0 => call!(0, $nr),
+                                1 => call!(1, $nr),
+                                2 => call!(2, $nr),
+                                3 => call!(3, $nr),
+                                4 => call!(4, $nr),
+                                _ => call!(5, $nr),
                             }
                         };
                     }
