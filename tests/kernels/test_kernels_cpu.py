@@ -516,6 +516,48 @@ def test_long_prefill_key_segments_match_twin(head_dim, feature, gen, path, monk
     _compare(native, twin, torch.bfloat16)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_subnormal_codes_count_on_every_path(fmt, gen, path):
+    """fp8 codes over a wide range of magnitudes, over a tenth subnormal: AVX2 reads every
+    code raw (its bits shifted into an fp32, the 2^bias factor moved onto the query, P and the
+    output), so subnormal codes keep their values on the decode (scores from K rows in place)
+    and prefill paths alike; fp32 queries, held to fp32's bound against the twin. A prefill of
+    24 tokens has tiles that few of its rows see (P.V row by row) and tiles that all see."""
+    bs, hk, d = 16, 3, 64
+    b = make_batch(gen, [(200, 1), (37, 24), (0, 1), (300, 1)], block_size=bs, num_q_heads=9,
+                   num_kv_heads=hk, head_dim=d, dtype=torch.float32)  # fmt: skip
+    nb = b.kv_cache.shape[0]
+    # |x| spread over 10^-4 .. 1 (E4M3's subnormals hold 2^-9 .. 2^-6) or 10^-3 .. 1 scaled
+    # by 1/1000 (E5M2's: 2^-16 .. 2^-14)
+    low, scale = (-3.0, 1000.0) if fmt == "fp8_e5m2" else (-4.0, 1.0)
+    cache = allocate_kv_caches(fmt, 1, nb, bs, hk, d, torch.float32, "cpu", fp8_scales=scale)[0]
+    keys = [k * 10 ** (low * torch.rand(k.shape, generator=gen)) for k in b.keys]
+    values = [v * 10 ** (low * torch.rand(v.shape, generator=gen)) for v in b.values]
+    table = b.block_table.long()
+    slots = torch.cat(
+        [table[r, torch.arange(len(k)) // bs] * bs + torch.arange(len(k)) % bs
+         for r, k in enumerate(keys)]
+    )  # fmt: skip
+    kk.store_kv(torch.cat(keys), torch.cat(values), cache, slots, backend="torch")
+    codes = cache.views["data"].view(torch.uint8)
+    exp_mask, man_mask = (0x78, 0x07) if fmt == "fp8_e4m3" else (0x7C, 0x03)
+    real = torch.zeros(nb, bs, dtype=torch.bool)
+    real.view(-1)[slots] = True
+    live = codes.permute(0, 2, 1, 3, 4)[real]
+    subnormal = ((live & exp_mask) == 0) & ((live & man_mask) != 0)
+    assert subnormal.float().mean() > 0.1
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, b.block_table, bs)
+    native = kk.paged_attention(b.query, cache, meta, scale=d**-0.5, backend="cpu")
+    twin = kk.paged_attention(b.query, cache, meta, scale=d**-0.5, backend="torch")
+    _compare(native, twin, torch.float32)
+    # the subnormal codes matter: read as zero, the answer moves past the bound
+    flushed = codes.clone()
+    flushed[(flushed & exp_mask) == 0] &= 0x80
+    zeroed = dataclasses.replace(cache, views={"data": flushed.view(codes.dtype)})
+    other = kk.paged_attention(b.query, zeroed, meta, scale=d**-0.5, backend="torch")
+    assert (other - twin).abs().max() > 10 * TOL[torch.float32]
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_kernel_rotates_the_query_of_a_rotated_cache(fmt, dtype, gen, path, monkeypatch):

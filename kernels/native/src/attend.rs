@@ -47,7 +47,7 @@
 //! compiled with the caller's target features, so the intrinsics in it become calls (an fp8
 //! decode tile built that way ran ~4x slower).
 
-use crate::simd::{self, Simd, W};
+use crate::simd::{self, fp8_bias, Simd, FP8_PRE, W};
 
 /// How K and V elements are stored.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -185,6 +185,24 @@ pub fn scratch_len(rows: usize, d: usize, heads: usize) -> usize {
         + rows * W / 2
         + padded * (3 * d / 2 + 2)
         + 3 * rows
+}
+
+/// Whether instance `S` reads fp8 V rows raw (`Simd::load_fp8_raw`: AVX2, whose exact read
+/// costs 8 ops per 16 codes, the raw one 6): P is scaled up by 2^`FP8_PRE` and the
+/// accumulator by 2^(`fp8_bias` - `FP8_PRE`) once per item (as on the AVX-512 fp8 path).
+#[inline(always)]
+const fn raw_v<S: Simd, const F: u8>() -> bool {
+    S::QK_DIRECT && (F == 4 || F == 5)
+}
+
+/// Columns `c .. c + 16` of a V row: `load_row`, or raw where `raw_v`.
+#[inline(always)]
+unsafe fn load_v<S: Simd, const F: u8>(p: *const u8, c: usize) -> S {
+    if raw_v::<S, F>() {
+        S::load_fp8_raw::<F>(p.add(c))
+    } else {
+        load_row::<S, F>(p, c)
+    }
 }
 
 #[inline(always)]
@@ -480,8 +498,8 @@ unsafe fn pv_direct<S: Simd, const F: u8, const NR: usize>(
             }
             let mut j = 0;
             while j + 1 < nk {
-                let v0 = load_row::<S, F>(vptr[j], cc);
-                let v1 = load_row::<S, F>(vptr[j + 1], cc);
+                let v0 = load_v::<S, F>(vptr[j], cc);
+                let v1 = load_v::<S, F>(vptr[j + 1], cc);
                 for x in 0..NR {
                     a0[x] = S::splat(*p.add(x * W + j)).fma(v0, a0[x]);
                     a1[x] = S::splat(*p.add(x * W + j + 1)).fma(v1, a1[x]);
@@ -489,7 +507,7 @@ unsafe fn pv_direct<S: Simd, const F: u8, const NR: usize>(
                 j += 2;
             }
             if j < nk {
-                let v0 = load_row::<S, F>(vptr[j], cc);
+                let v0 = load_v::<S, F>(vptr[j], cc);
                 for x in 0..NR {
                     a0[x] = S::splat(*p.add(x * W + j)).fma(v0, a0[x]);
                 }
@@ -509,8 +527,8 @@ unsafe fn pv_direct<S: Simd, const F: u8, const NR: usize>(
             }
         }
         for (j, &v) in vptr.iter().enumerate().take(nk) {
-            let v0 = load_row::<S, F>(v, cc);
-            let v1 = if two { load_row::<S, F>(v, cc + W) } else { v0 };
+            let v0 = load_v::<S, F>(v, cc);
+            let v1 = if two { load_v::<S, F>(v, cc + W) } else { v0 };
             for x in 0..NR {
                 let pj = S::splat(*p.add(x * W + j));
                 a0[x] = pj.fma(v0, a0[x]);
@@ -672,10 +690,12 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let fp8dec = S::VNNI && dpbf16 && (F == 4 || F == 5) && !cols && hrows <= 4 && d % 64 == 0;
     #[cfg(not(target_arch = "x86_64"))]
     let fp8dec = false;
-    // fp8 codes are read as bf16 too small by 2^bias (`vnni::fp8_words`): the query and P are
-    // scaled up by 2^FP8_PRE, the scores and the accumulator by the rest.
-    #[cfg(target_arch = "x86_64")]
-    let fp8_post = (2f32).powi(crate::vnni::fp8_bias(F) - crate::vnni::FP8_PRE);
+    // fp8 codes are read too small by 2^bias (`vnni::fp8_words`, and AVX2's `load_fp8_raw` on
+    // the direct path for K, always for V): the query and P are scaled up by 2^FP8_PRE, the
+    // scores and the accumulator by the rest.
+    let fp8_pre = (2f32).powi(FP8_PRE);
+    let fp8_post = (2f32).powi(fp8_bias(F) - FP8_PRE);
+    let raw_k = direct && (F == 4 || F == 5);
     let nblk = if cols { hrows.div_ceil(W) } else { 0 };
     let prow = (h1 - h0) * nblk * W;
     let (acc_t, rest) = rest.split_at_mut(prow * d); // [head][block][d][16]
@@ -698,7 +718,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
         }
     };
     for hh in (h0..h1).filter(|_| !cols) {
-        let qscale = c.scale * kscale_of(hh);
+        let qscale = c.scale * kscale_of(hh) * if raw_k { fp8_pre } else { 1.0 };
         for i in 0..ntok {
             let src = c.q.add((tok0 + i) * c.q_stride_tok * c.dt.size());
             for gg in 0..g {
@@ -719,14 +739,13 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     std::ptr::copy_nonoverlapping(row as *const u16, qb.add(r * d), d);
                     #[cfg(target_arch = "x86_64")]
                     if fp8dec {
-                        let pre = (2f32).powi(crate::vnni::FP8_PRE);
                         for e in 0..d {
-                            let x = c.dt.read(row, e) * pre; // exact: a power of two
+                            let x = c.dt.read(row, e) * fp8_pre; // exact: a power of two
                             *qb.add(r * d + e) = (x.to_bits() >> 16) as u16;
                         }
                     }
                 }
-                if direct && F == 1 {
+                if direct && (F == 1 || raw_k) {
                     evenodd_row(dst);
                 }
             }
@@ -1149,6 +1168,8 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 let mut s = S::load(pr);
                 if int8 {
                     s = s.mul(ks);
+                } else if raw_k {
+                    s = s.mul(S::splat(fp8_post));
                 }
                 if c.soft_cap > 0.0 {
                     s = simd::tanh(s.mul(S::splat(1.0 / c.soft_cap))).mul(S::splat(c.soft_cap));
@@ -1178,7 +1199,13 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                         S::load(pa).mul(a).store(pa);
                     }
                 }
-                (if int8 { e.mul(vsc) } else { e }).store(pr);
+                if int8 {
+                    e.mul(vsc).store(pr);
+                } else if raw_v::<S, F>() {
+                    e.mul(S::splat(fp8_pre)).store(pr);
+                } else {
+                    e.store(pr);
+                }
             }
             {
                 let pt = 2 + 2 * (hh - h0);
@@ -1191,10 +1218,9 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             // P.V
             #[cfg(target_arch = "x86_64")]
             if fp8dec {
-                let pre = S::splat((2f32).powi(crate::vnni::FP8_PRE));
                 for r in r_lo..r_hi {
                     S::load(p.as_ptr().add(r * W))
-                        .mul(pre)
+                        .mul(S::splat(fp8_pre))
                         .store_bf16_pairs(pb.add(r * (W / 2)));
                 }
                 let (ar, pr) = (acch.add(r_lo * d), pb.add(r_lo * (W / 2)) as *const u32);
@@ -1265,7 +1291,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             }
             for j in 0..nk {
                 for cc in 0..nc {
-                    load_row::<S, F>(vptr[j], cc * W).store(vt.as_mut_ptr().add(j * d + cc * W));
+                    load_v::<S, F>(vptr[j], cc * W).store(vt.as_mut_ptr().add(j * d + cc * W));
                 }
             }
             let mut r = r_lo;
@@ -1351,8 +1377,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             crate::vnni::unpermute(row);
         }
     }
-    #[cfg(target_arch = "x86_64")]
-    if fp8dec {
+    if fp8dec || raw_v::<S, F>() {
         for x in acc.iter_mut() {
             *x *= fp8_post;
         }

@@ -10,6 +10,22 @@
 /// Lanes per vector.
 pub const W: usize = 16;
 
+/// The power of two by which an fp8 code read by shifting its bits into an fp32's (or a
+/// bf16's) sign, exponent and mantissa under-reads its value: the exponent biases' difference
+/// (127 - 7 for E4M3, 127 - 15 for E5M2). `Simd::load_fp8_raw` and `vnni::fp8_words` read so.
+pub const fn fp8_bias(f: u8) -> i32 {
+    if f == 5 {
+        112
+    } else {
+        120
+    }
+}
+
+/// The power of two by which the query rows and P are scaled up where fp8 codes are read raw
+/// (`fp8_bias`), so that no product of normal values leaves fp32's normal range; the scores
+/// and the accumulator are scaled by the rest, 2^(`fp8_bias` - `FP8_PRE`).
+pub const FP8_PRE: i32 = 64;
+
 /// fp32 x 16 operations the kernel needs.
 pub trait Simd: Copy {
     unsafe fn splat(x: f32) -> Self;
@@ -38,6 +54,18 @@ pub trait Simd: Copy {
     unsafe fn load_i8(p: *const i8) -> Self;
     unsafe fn load_e4m3(p: *const u8) -> Self;
     unsafe fn load_e5m2(p: *const u8) -> Self;
+    /// 16 fp8 codes of format `F` (4: E4M3, 5: E5M2) as their values times 2^-`fp8_bias(F)`,
+    /// in order: the bits shifted into place without the scaling multiply (subnormal codes
+    /// become fp32 subnormals, exact; E5M2's inf / NaN codes read as finite values).
+    #[inline(always)]
+    unsafe fn load_fp8_raw<const F: u8>(p: *const u8) -> Self {
+        let x = if F == 5 {
+            Self::load_e5m2(p)
+        } else {
+            Self::load_e4m3(p)
+        };
+        x.mul(Self::splat((2f32).powi(-fp8_bias(F))))
+    }
     /// Whether the fp32 P.V loops (`pv_rows`, `pv_direct`, up to 4 rows) take 32 columns per
     /// pass (two vectors per row: AVX-512's 32 registers hold them) or 16 (AVX2: 4 rows x 16
     /// columns are 8 of its 16 ymm; 32 columns would spill).
@@ -56,9 +84,11 @@ pub trait Simd: Copy {
     /// bf16 or f16) read in place (`k[j]`; a non-real key is a zero row): one 16-dimension
     /// chunk of two keys at a time, eight lanes of partial sums per key and row, summed by
     /// horizontal adds at the end (no transpose: a decode item has too few rows to pay for
-    /// one). `q` rows are `d` apart and pre-scaled; for bf16 (`F` = 1) each 16-dimension
-    /// chunk is laid out as its 8 even dimensions, then its 8 odd ones (`evenodd_rows`), the
-    /// order in which a bf16 load widens. `p` rows are `W` apart; lanes `j >= nk` are junk.
+    /// one). `q` rows are `d` apart and pre-scaled; for bf16 (`F` = 1) and fp8 (`F` = 4, 5)
+    /// each 16-dimension chunk is laid out as its 8 even dimensions, then its 8 odd ones
+    /// (`evenodd_row`), the order in which a load of those widens; fp8 K values are read raw,
+    /// 2^`fp8_bias(F)` too small (`load_fp8_raw`). `p` rows are `W` apart; lanes `j >= nk`
+    /// are junk.
     #[inline(always)]
     unsafe fn qk_direct<const F: u8, const NR: usize>(
         _q: *const f32,

@@ -242,18 +242,6 @@ unsafe fn fp8_words<const F: u8>(w: __m512i) -> __m512i {
     }
 }
 
-/// The power of two by which `fp8_words` under-reads an fp8 value.
-pub const fn fp8_bias(f: u8) -> i32 {
-    if f == 5 {
-        112
-    } else {
-        120
-    }
-}
-
-/// The power of two the query rows and P are scaled by on the fp8 path (see `fp8_words`).
-pub const FP8_PRE: i32 = 64;
-
 /// In-lane byte order that turns a transposed dword vector (dword j: key j's codes c0..c3)
 /// into dwords [0, c0, 0, c1] (`half` 0) or [0, c2, 0, c3] (`half` 1): codes in high bytes.
 #[inline(always)]
@@ -435,6 +423,7 @@ pub fn unpermute(acc: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::simd::{fp8_bias, FP8_PRE};
 
     #[test]
     fn q_parts_reconstruct_the_row() {
