@@ -743,6 +743,36 @@ mod tests {
         assert_eq!(f32_to_bf16(1.0 + 2f32.powi(-8)), 0x3f80); // tie to even
     }
 
+    #[test]
+    fn raw_fp8_reads_are_the_values_times_two_to_minus_the_bias() {
+        // the trait's own `load_fp8_raw` (the portable instance): every finite code, both formats
+        let codes: Vec<u8> = (0..=255u8).collect();
+        for chunk in codes.chunks(W) {
+            let mut out = [0f32; W];
+            for f in [4u8, 5] {
+                let raw = unsafe {
+                    if f == 4 {
+                        Portable::load_fp8_raw::<4>(chunk.as_ptr())
+                    } else {
+                        Portable::load_fp8_raw::<5>(chunk.as_ptr())
+                    }
+                };
+                unsafe { raw.store(out.as_mut_ptr()) };
+                for (j, &b) in chunk.iter().enumerate() {
+                    let want = if f == 4 {
+                        e4m3_to_f32(b)
+                    } else {
+                        e5m2_to_f32(b)
+                    };
+                    if want.is_finite() {
+                        let got = out[j] as f64 * (2f64).powi(fp8_bias(f));
+                        assert_eq!(got, want as f64, "format {f} code {b:#x}");
+                    }
+                }
+            }
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx512_matches_portable() {
