@@ -132,21 +132,22 @@ def fuse_heads_for(fmt: int, query_dtype: torch.dtype | None = None) -> bool:
     (``OPTIONS.fuse_heads`` where set). By default: off the AVX-512 path over 2- and 4-byte
     elements (there the kernel waits on memory, and a token's heads, adjacent in a block, stream
     as one run: AVX2 Zen 3, one thread, bf16 decode 1.2-1.5x faster, where a task per head
-    reads 128 of every 384 bytes); and over int8 / fp8 where their AVX-512 VNNI / VBMI decode
-    runs (bf16 queries, or ``query_dtype`` None): a block's heads are one contiguous run there,
-    and the heads' tiles overlap (Zen 4, one thread, decode 8 x 4K to 8 x 16K and 2 x 4K, two
-    runs: int8 1.03-1.21x, fp8 1.03-1.19x faster warm; cold 1.02-1.16x and 0.92-1.13x). Not on
-    AVX-512 over bf16 (0.87-1.02x cold) nor on the widening int8 / fp8 path (8-17 % slower)."""
+    reads 128 of every 384 bytes); on the AVX2 path over int8 / fp8 too (since its prefetches
+    walk a block in address order and fp8 is read raw: Zen 3, one thread, decode 8 x 4K to
+    8 x 16K, two rounds x 3 seeds, int8 1.07-1.20x bf16's speed against 0.95-1.08x a task per
+    head, fp8 0.94-1.12x against 0.87-1.06x); and over int8 / fp8 where their AVX-512 VNNI /
+    VBMI decode runs (bf16 queries, or ``query_dtype`` None): a block's heads are one contiguous
+    run there, and the heads' tiles overlap (Zen 4, one thread, decode 8 x 4K to 8 x 16K and
+    2 x 4K, two runs: int8 1.03-1.21x, fp8 1.03-1.19x faster warm; cold 1.02-1.16x and
+    0.92-1.13x). Not on AVX-512 over bf16 (0.87-1.02x cold) nor on its widening int8 / fp8
+    path (``novnni`` and fp32 queries: 8-17 % slower, Zen 4)."""
     if OPTIONS.fuse_heads is not None:
         return OPTIONS.fuse_heads
     avx512 = _isa() != ISA_CODES["portable"] and _isa() != ISA_CODES["avx2"] and _cpu_has_avx512()
     if fmt in (FMT_INT8, FMT_E4M3, FMT_E5M2):
-        return (
-            avx512
-            and _isa() in _BEST_ISAS
-            and _cpu_has_vnni()
-            and query_dtype in (None, torch.bfloat16)
-        )
+        if not avx512:  # the AVX2 instance, or the portable one
+            return _isa() != ISA_CODES["portable"] and features().get("avx2", False)
+        return _isa() in _BEST_ISAS and _cpu_has_vnni() and query_dtype in (None, torch.bfloat16)
     return not avx512 and fmt in (FMT_F32, FMT_BF16, FMT_F16)
 
 

@@ -338,20 +338,28 @@ def test_heads_fuse_by_default_off_avx512_for_wide_elements_and_on_vnni_for_byte
     opts = cpu_native.OPTIONS
     monkeypatch.setattr(opts, "fuse_heads", None)
     monkeypatch.setattr(opts, "isa", "avx2")
+    avx2 = cpu_native.features()["avx2"]
     assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16)
     assert cpu_native.fuse_heads_for(cpu_native.FMT_F32)
+    # the AVX2 path fuses int8 / fp8 too, whatever the query's dtype
+    for fmt in (cpu_native.FMT_INT8, cpu_native.FMT_E4M3, cpu_native.FMT_E5M2):
+        for qdt in (None, torch.bfloat16, torch.float32):
+            assert cpu_native.fuse_heads_for(fmt, qdt) == avx2
+    monkeypatch.setattr(opts, "portable", True)
     assert not cpu_native.fuse_heads_for(cpu_native.FMT_INT8)
-    assert not cpu_native.fuse_heads_for(cpu_native.FMT_E4M3)
+    monkeypatch.setattr(opts, "portable", False)
     monkeypatch.setattr(opts, "isa", "auto")
     avx512 = cpu_native.features()["avx512"]
     assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16) == (not avx512)
-    # int8 / fp8: fused where the VNNI / VBMI decode runs (bf16 queries), not on the widening path
+    # int8 / fp8 on AVX-512: fused where the VNNI / VBMI decode runs (bf16 queries), not on the
+    # widening path; without AVX-512, the AVX2 path's rule above
     vnni = cpu_native.features()["avx512_vnni"] and cpu_native.features()["avx512_bf16"]
     for fmt in (cpu_native.FMT_INT8, cpu_native.FMT_E4M3, cpu_native.FMT_E5M2):
-        assert cpu_native.fuse_heads_for(fmt, torch.bfloat16) == (avx512 and vnni)
-        assert not cpu_native.fuse_heads_for(fmt, torch.float32)
+        want_bf16 = (avx512 and vnni) or (not avx512 and avx2)
+        assert cpu_native.fuse_heads_for(fmt, torch.bfloat16) == want_bf16
+        assert cpu_native.fuse_heads_for(fmt, torch.float32) == (not avx512 and avx2)
     monkeypatch.setattr(opts, "isa", "novnni")
-    assert not cpu_native.fuse_heads_for(cpu_native.FMT_INT8, torch.bfloat16)
+    assert cpu_native.fuse_heads_for(cpu_native.FMT_INT8, torch.bfloat16) == (not avx512 and avx2)
     # novnni keeps the AVX-512 path where the CPU has it; without AVX-512 it runs the AVX2 one
     assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16) == (not avx512)
     monkeypatch.setattr(opts, "isa", "auto")
