@@ -123,8 +123,15 @@ def _isa() -> int:
 
 
 @functools.cache
+@functools.cache
 def _cpu_has_avx512() -> bool:
     return bool(_native is not None and _native.features()[0])
+
+
+@functools.cache
+def _cpu_has_avx2() -> bool:
+    """AVX2 + FMA + F16C: what the AVX2 instance needs (asked once: every call decides by it)."""
+    return bool(_native is not None and _native.features()[4])
 
 
 def fuse_heads_for(fmt: int, query_dtype: torch.dtype | None = None) -> bool:
@@ -146,7 +153,7 @@ def fuse_heads_for(fmt: int, query_dtype: torch.dtype | None = None) -> bool:
     avx512 = _isa() != ISA_CODES["portable"] and _isa() != ISA_CODES["avx2"] and _cpu_has_avx512()
     if fmt in (FMT_INT8, FMT_E4M3, FMT_E5M2):
         if not avx512:  # the AVX2 instance, or the portable one
-            return _isa() != ISA_CODES["portable"] and features().get("avx2", False)
+            return _isa() != ISA_CODES["portable"] and _cpu_has_avx2()
         return _isa() in _BEST_ISAS and _cpu_has_vnni() and query_dtype in (None, torch.bfloat16)
     return not avx512 and fmt in (FMT_F32, FMT_BF16, FMT_F16)
 

@@ -80,18 +80,26 @@ def _features(b, draw, device="cpu"):
     }
 
 
-def _quantized(b, fmt, rotate=None):
-    """The batch's K/V stored in a fresh ``fmt`` cache through each request's own blocks
-    (``rotate``: as ``allocate_kv_caches``'s; None keeps the format's own)."""
+def _quantized(b, fmt, rotate=None, keys=None, values=None, fp8_scales=None):
+    """The batch's K/V (or ``keys`` / ``values`` of the same shapes) stored in a fresh ``fmt``
+    cache through each request's own blocks (``rotate``, ``fp8_scales``: as
+    ``allocate_kv_caches``'s; None keeps the format's own)."""
+    keys, values = keys or b.keys, values or b.values
     nb, _, bs, hk, d = b.kv_cache.shape
-    cache = allocate_kv_caches(fmt, 1, nb, bs, hk, d, b.kv_cache.dtype, "cpu", rotate=rotate)[0]
-    table = b.block_table.long()
-    slots = torch.cat(
+    cache = allocate_kv_caches(
+        fmt, 1, nb, bs, hk, d, b.kv_cache.dtype, "cpu", rotate=rotate, fp8_scales=fp8_scales
+    )[0]
+    kk.store_kv(torch.cat(keys), torch.cat(values), cache, _slots(b), backend="torch")
+    return cache
+
+
+def _slots(b):
+    """The cache slot of every stored token, requests in order (their own blocks)."""
+    bs, table = b.kv_cache.shape[2], b.block_table.long()
+    return torch.cat(
         [table[r, torch.arange(len(k)) // bs] * bs + torch.arange(len(k)) % bs
          for r, k in enumerate(b.keys)]
     )  # fmt: skip
-    kk.store_kv(torch.cat(b.keys), torch.cat(b.values), cache, slots, backend="torch")
-    return cache
 
 
 def _compare(native, twin, dtype):
@@ -538,19 +546,13 @@ def test_fp8_subnormal_codes_count_on_every_path(fmt, gen, path):
     # |x| spread over 10^-4 .. 1 (E4M3's subnormals hold 2^-9 .. 2^-6) or 10^-3 .. 1 scaled
     # by 1/1000 (E5M2's: 2^-16 .. 2^-14)
     low, scale = (-3.0, 1000.0) if fmt == "fp8_e5m2" else (-4.0, 1.0)
-    cache = allocate_kv_caches(fmt, 1, nb, bs, hk, d, torch.float32, "cpu", fp8_scales=scale)[0]
     keys = [k * 10 ** (low * torch.rand(k.shape, generator=gen)) for k in b.keys]
     values = [v * 10 ** (low * torch.rand(v.shape, generator=gen)) for v in b.values]
-    table = b.block_table.long()
-    slots = torch.cat(
-        [table[r, torch.arange(len(k)) // bs] * bs + torch.arange(len(k)) % bs
-         for r, k in enumerate(keys)]
-    )  # fmt: skip
-    kk.store_kv(torch.cat(keys), torch.cat(values), cache, slots, backend="torch")
+    cache = _quantized(b, fmt, keys=keys, values=values, fp8_scales=scale)
     codes = cache.views["data"].view(torch.uint8)
     exp_mask, man_mask = (0x78, 0x07) if fmt == "fp8_e4m3" else (0x7C, 0x03)
     real = torch.zeros(nb, bs, dtype=torch.bool)
-    real.view(-1)[slots] = True
+    real.view(-1)[_slots(b)] = True
     live = codes.permute(0, 2, 1, 3, 4)[real]
     subnormal = ((live & exp_mask) == 0) & ((live & man_mask) != 0)
     assert subnormal.float().mean() > 0.1

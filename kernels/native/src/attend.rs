@@ -28,8 +28,9 @@
 //! Without either (AVX2), an item with at most `DIRECT_MAX_ROWS` rows per KV head (decode) and
 //! any cache format skips the K tile's transpose: `qk_direct` dots each query row
 //! with K rows read in place, eight lanes of partial sums per key summed by horizontal adds
-//! (bf16 rows widened as their even and odd dimensions, so the query rows are re-laid to
-//! match), and P.V keeps two sets of accumulators (even and odd keys) for its FMA latency.
+//! (bf16 and fp8 rows widened as their even and odd dimensions, so the query rows are re-laid
+//! to match; fp8 codes read raw, `raw_v`), and P.V keeps two sets of accumulators (even and
+//! odd keys) for its FMA latency.
 //!
 //! A key is visible to a row if it lies in [qpos - window + 1, qpos] and its block is not
 //! released (block-table entry 0 inside the sequence, when the call says blocks were released):
