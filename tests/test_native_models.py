@@ -332,7 +332,8 @@ def test_upcast_bf16_few_rows_take_the_native_avx2_linear(monkeypatch):
         assert all((m.upcast[2] is not None) == packs for m in mods)
         assert n == fp32 * (2 if packs else 1) + sum(m.small.nbytes for m in mods)
     assert mods and all(m.upcast is not None and m.small is not None for m in mods)
-    assert all(m.gated is None for m in mods)  # the AVX2 path packs plain weights only
+    # without the blocked GEMM no gated pack (its small-row path would take prefill chunks)
+    assert all(m.gated is None for m in mods)
     limit = linear_mod.UPCAST_SMALL_ROWS
     gen = torch.Generator().manual_seed(6)
     for rows in (1, limit, limit + 1, 13):
@@ -370,13 +371,20 @@ def test_upcast_bf16_all_rows_take_the_native_avx2_kernel_without_fp32_copies(mo
     """With the blocked AVX2 GEMM (``linear_cpu.tall_path()``), every row count of a bf16 weight
     runs the native kernel on its bf16 pack: no fp32 copy is made (the weights' memory once more,
     not three times), prefill-sized calls give the small-row bits, and the forward stays within
-    bf16's reach of the one on oneDNN's fp32 GEMMs (``cpu_native.OPTIONS.tall`` off)."""
+    bf16's reach of the one on oneDNN's fp32 GEMMs (``cpu_native.OPTIONS.tall`` off). The SiLU
+    MLPs' gate-up is packed gated (``test_silu_gate_up_runs_gated_with_the_two_step_bits``)."""
     hf = _hf("tiny-qwen2", dtype=torch.bfloat16)  # q/k/v carry a bias
     native, _ = native_model(hf)
     mods = [m for m in native.modules() if isinstance(m, (Linear, MergedLinear))]
     n = prepack_linears(native)
+    gate_ups = {id(m.gate_up_proj) for m in native.modules() if hasattr(m, "gate_up_proj")}
+    assert len(gate_ups) == hf.config.num_hidden_layers
+    assert all((m.gated is not None) == (id(m) in gate_ups) for m in mods)
+    mods = [m for m in mods if m.gated is None]
     assert mods and all(m.small is not None and m.upcast is None for m in mods)
-    assert n == sum(m.small.nbytes for m in mods)
+    assert n == sum(m.small.nbytes for m in mods) + sum(
+        m.gate_up_proj.gated.nbytes for m in native.modules() if hasattr(m, "gate_up_proj")
+    )
     gen = torch.Generator().manual_seed(8)
     for rows in (1, 47, 48, 130):
         x = torch.randn(rows, hf.config.hidden_size, generator=gen).bfloat16()
@@ -402,9 +410,15 @@ def test_upcast_bf16_all_rows_take_the_native_avx2_kernel_without_fp32_copies(mo
     assert (fast.argmax(-1) == slow.argmax(-1)).float().mean() >= 0.6
 
 
-@pytest.mark.skipif(not can_pack_small(), reason="no AVX-512 BF16: the small-batch kernel is off")
+@pytest.mark.skipif(
+    not (can_pack_small() or (linear_mod.can_pack_small_avx2() and linear_cpu.tall_path())),
+    reason="no AVX-512 BF16 and no blocked AVX2 GEMM: no gated pack",
+)
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma2"])
 def test_silu_gate_up_runs_gated_with_the_two_step_bits(name):
+    """A SiLU MLP's gate-up is packed gated (AVX-512 BF16, or AVX2 with the blocked GEMM) and
+    ``gate_up_act`` gives the bits of the plain product on the same kernel path and the
+    activation, decode-sized and prefill-sized."""
     hf = _hf(name, dtype=torch.bfloat16)
     native, _ = native_model(hf)
     prepack_linears(native)
@@ -412,7 +426,8 @@ def test_silu_gate_up_runs_gated_with_the_two_step_bits(name):
     silu = name != "tiny-gemma2"  # Gemma's tanh-GELU keeps the plain product + activation
     assert mlps and all((m.gate_up_proj.gated is not None) == silu for m in mlps)
     gen = torch.Generator().manual_seed(5)
-    for rows in (1, 7, 13, 40):
+    limit = linear_mod.SMALL_ROWS  # AMX CPUs: oneDNN takes more rows (the next test)
+    for rows in (r for r in (1, 7, 13, 40, 48, 130) if limit is None or r <= limit):
         x = torch.randn(rows, hf.config.hidden_size, generator=gen).bfloat16()
         for mlp in mlps:
             got = gate_up_act(mlp.gate_up_proj, mlp.act, x)

@@ -91,8 +91,8 @@ def fast_path() -> bool:
 
 def avx2_path() -> bool:
     """Whether the native kernel has its AVX2 path here (AVX2 and FMA, no AVX-512 BF16): plain
-    weights only (a gated one runs the portable loop), bf16 widened to fp32 in registers, so
-    the fp32 FMAs read half the bytes of an fp32 copy."""
+    and gated weights, bf16 widened to fp32 in registers, so the fp32 FMAs read half the bytes
+    of an fp32 copy."""
     return cpu_native.linear_avx2_path()
 
 

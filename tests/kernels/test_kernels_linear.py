@@ -81,13 +81,10 @@ def test_gated_linear_is_the_plain_product_then_silu_and_mul(portable, rows, i_o
     gated, plain = linear_cpu.pack_linear(w, glu=True), linear_cpu.pack_linear(w)
     # gate and up padded to whole panels each, then alternating
     assert gated.glu and gated.n_out == i_out and gated.nbytes == 2 * -(-i_out // 32) * k * 64
-    # a gated pack has a SIMD kernel only with AVX-512 BF16; elsewhere it runs the portable
-    # path, whose bits are those of the portable plain product and silu_and_mul (the AVX2 plain
-    # kernel sums in another order: under cancellation the bf16 gate can differ by a step)
-    same_path = portable or not cpu_native.features().get("avx512_bf16")
+    # each path (AVX-512 BF16, AVX2, portable) gives the bits of its own plain product followed
+    # by silu_and_mul (another path's plain product sums in another order)
     with _options(portable=portable):
         got = linear_cpu.linear(x, gated)
-    with _options(portable=same_path):
         want = ops_cpu.silu_and_mul(linear_cpu.linear(x, plain))
     assert got.shape == (rows, i_out) and torch.equal(got, want)
     # and against float64: silu(g) * u within the roundings of g, u, silu(g) and the product
@@ -126,6 +123,32 @@ def test_tall_rows_match_float64_and_the_small_row_bits(rows, n, k, bias, pad, m
             small = linear_cpu.linear(x, packed, b)
     _check(got, x, w, b)
     assert torch.equal(got, small)
+
+
+@pytest.mark.skipif(not linear_cpu.avx2_path(), reason="no AVX2 path here (the blocked GEMM)")
+@settings(max_examples=15, deadline=None)
+@given(
+    rows=st.integers(48, 200),
+    i_out=st.integers(1, 100),
+    k=st.integers(1, 300).map(lambda v: 2 * v),
+    mode=st.sampled_from(["omp", "rayon", "single"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tall_gated_is_the_plain_product_then_silu_and_mul(rows, i_out, k, mode, seed):
+    """A gated pack on the blocked AVX2 GEMM (48 rows or more): the bits of the plain product
+    on the same path followed by ``silu_and_mul``, and of the small-row path's gated call."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(2 * i_out, k, generator=gen) * k**-0.5).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    gated, plain = linear_cpu.pack_linear(w, glu=True), linear_cpu.pack_linear(w)
+    with _options(mode=mode):
+        got = linear_cpu.linear(x, gated)
+        want = ops_cpu.silu_and_mul(linear_cpu.linear(x, plain))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_native.OPTIONS, "tall", False)
+            small = linear_cpu.linear(x, gated)
+    assert got.shape == (rows, i_out)
+    assert torch.equal(got, want) and torch.equal(got, small)
 
 
 @pytest.mark.skipif(not linear_cpu.amx_path(), reason="no AMX tiles for the kernel here")

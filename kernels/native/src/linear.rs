@@ -24,7 +24,7 @@
 //! **AMX** (`amx`, Sapphire Rapids and later, calls of more than `AMX_MIN_ROWS` rows): the same
 //! panels as B tiles, up to three 16-row tiles of `x` per panel stream, the AVX-512 epilogue.
 //!
-//! **AVX2** (`avx2`, no AVX-512 BF16: a Zen 3): plain panels only, each 32-byte load widened to
+//! **AVX2** (`avx2`, no AVX-512 BF16: a Zen 3): plain or gated panels, each 32-byte load widened to
 //! fp32 (a shift for the even input, a mask for the odd) and two FMAs per row; half the bytes of
 //! the fp32 copy such a CPU otherwise runs bf16 weights on; a chunk's rows of `x` are widened
 //! once into per-thread scratch (grown, never freed). ~150 GFLOP/s on two threads (a Zen 3).
@@ -370,6 +370,34 @@ unsafe fn store_row(c: &Linear, sums: &[f32], m: usize, n: usize) {
     }
 }
 
+/// Row `m`, columns `n .. n + cols` (`cols <= 16`) of a gated output from its gate and up
+/// sums: `bf16(bf16(silu(bf16(g))) * bf16(u))`, the arithmetic of `ops.rs`'s `SiluMul` on the
+/// plain product's bf16 output (the same vector `exp`), so the same bits as those two calls.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn store_glu16(
+    c: &Linear,
+    g: crate::avx2::Avx2,
+    u: crate::avx2::Avx2,
+    m: usize,
+    n: usize,
+    cols: usize,
+) {
+    use crate::simd::Simd;
+    type V = crate::avx2::Avx2;
+    let (g, u) = (g.round_bf16(), u.round_bf16());
+    let e = g.mul(V::splat(-1.0)).exp();
+    let h = g.div(V::splat(1.0).add(e)).round_bf16().mul(u);
+    let out = c.out.add(m * c.out_stride + n);
+    if cols == 16 {
+        h.store_bf16(out);
+    } else {
+        let mut t = [0u16; 16];
+        h.store_bf16(t.as_mut_ptr());
+        std::ptr::copy_nonoverlapping(t.as_ptr(), out, cols);
+    }
+}
+
 /// The same panels on AVX2 + FMA (no bf16 dot product: a Zen 3, where oneDNN has no bf16 GEMM
 /// and kvcore's bf16 weights otherwise run as fp32 copies). Each 32-byte load is 8 columns x 2
 /// inputs, widened to fp32 by a shift (the even input's weights) and a mask (the odd one's),
@@ -377,12 +405,14 @@ unsafe fn store_row(c: &Linear, sums: &[f32], m: usize, n: usize) {
 /// to fp32 once (per-thread scratch).
 /// Rows run in chunks of up to `MR` = 2 (8 accumulators of 8 columns; 3 registers for the
 /// weights being widened, 2 for the inputs); later chunks read the panel again from L1/L2.
-/// Plain panels only (callers keep the gated pack off this path). The sums are the exact
+/// A gated pack runs its gate and up panels of a chunk in turn and writes `silu(g) * u`
+/// (`store_glu16`); no `[M, 2 I]` product is written. The sums are the exact
 /// bf16 x bf16 products added in fp32, as the fp32 GEMM on upcast copies adds them, in another
 /// order.
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
     use super::{Linear, NB};
+    use crate::avx2::Avx2;
     use std::arch::x86_64::*;
 
     /// Rows per chunk.
@@ -395,9 +425,16 @@ pub mod avx2 {
     /// Prefetch distance in bytes ahead of the panel row being read (first chunk only).
     const PREFETCH: usize = 2048;
 
-    /// `R` rows from `m0` of panel `p`; `xs` holds all rows of `x` widened to fp32 (`k` apart).
+    /// `R` rows from `m0` of panel `p`: their fp32 sums, 32 columns each; `xs` holds all rows
+    /// of `x` widened to fp32 (`k` apart).
     #[inline(always)]
-    unsafe fn chunk<const R: usize>(c: &Linear, xs: *const f32, p: usize, m0: usize, pf: bool) {
+    unsafe fn chunk<const R: usize>(
+        c: &Linear,
+        xs: *const f32,
+        p: usize,
+        m0: usize,
+        pf: bool,
+    ) -> [[__m256; 4]; R] {
         let kp_n = c.k / 2;
         let k = c.k;
         let mut acc = [[_mm256_setzero_ps(); 4]; R];
@@ -427,10 +464,33 @@ pub mod avx2 {
                 }
             }
         }
+        acc
+    }
+
+    /// `R` rows from `m0` of plain panel `p`, or of gated pair `p` (gate), `p + 1` (up).
+    #[inline(always)]
+    unsafe fn rows<const R: usize>(c: &Linear, xs: *const f32, p: usize, m0: usize, pf: bool) {
+        let sums = chunk::<R>(c, xs, p, m0, pf);
+        if c.glu {
+            let up = chunk::<R>(c, xs, p + 1, m0, pf);
+            let n0 = p / 2 * NB;
+            let cols = NB.min(c.n_out - n0);
+            for r in 0..R {
+                for h in 0..2 {
+                    let n = n0 + 16 * h;
+                    if n < n0 + cols {
+                        let g = Avx2(sums[r][2 * h], sums[r][2 * h + 1]);
+                        let u = Avx2(up[r][2 * h], up[r][2 * h + 1]);
+                        super::store_glu16(c, g, u, m0 + r, n, (n0 + cols - n).min(16));
+                    }
+                }
+            }
+            return;
+        }
         let n0 = p * NB;
         let cols = NB.min(c.n_out - n0);
         let mut buf = [0f32; NB];
-        for (r, a) in acc.iter().enumerate() {
+        for (r, a) in sums.iter().enumerate() {
             for (q, v) in a.iter().enumerate() {
                 _mm256_storeu_ps(buf.as_mut_ptr().add(8 * q), *v);
             }
@@ -457,15 +517,16 @@ pub mod avx2 {
                 *xs.add(m * k + i) = crate::simd::bf16_to_f32(*x.add(i));
             }
         }
-        for p in lo..hi {
+        let step = if c.glu { 2 } else { 1 };
+        for p in (lo..hi).step_by(step) {
             let mut m0 = 0;
             while m0 < c.rows {
                 let pf = m0 == 0; // later chunks find the panel in L1/L2
                 if c.rows - m0 >= 2 {
-                    chunk::<2>(c, xs, p, m0, pf);
+                    rows::<2>(c, xs, p, m0, pf);
                     m0 += 2;
                 } else {
-                    chunk::<1>(c, xs, p, m0, pf);
+                    rows::<1>(c, xs, p, m0, pf);
                     m0 += 1;
                 }
             }
@@ -473,7 +534,8 @@ pub mod avx2 {
     }
 }
 
-/// Many rows on AVX2 + FMA (prefill chunks): a blocked GEMM over the same plain panels.
+/// Many rows on AVX2 + FMA (prefill chunks): a blocked GEMM over the same panels (gated: the
+/// tile runs over the gate half, then the up half, and `store_glu16` writes `silu(g) * u`).
 ///
 /// The small-row path above widens every row of `x` in each task and reads it from memory for
 /// each panel, which at 512-2,048 rows ran at 42-76 GFLOP/s on a Zen 3 (one thread) against
@@ -491,6 +553,7 @@ pub mod avx2 {
 #[cfg(target_arch = "x86_64")]
 pub mod tall {
     use super::{Linear, NB};
+    use crate::avx2::Avx2;
     use std::arch::x86_64::*;
 
     /// Rows per register tile.
@@ -521,6 +584,7 @@ pub mod tall {
             .div_ceil(TASKS)
             .max(MIN_PANELS)
             .min(panels);
+        let per = if c.glu { per.next_multiple_of(2) } else { per }; // whole gate / up pairs
         (blocks, per, blocks * panels.div_ceil(per))
     }
 
@@ -564,39 +628,54 @@ pub mod tall {
                 dst.fill(0.0);
             }
         }
-        let b = scratch(&BS, 2 * k * 16);
-        let hi_mask = _mm256_set1_epi32(-65536);
-        for p in g * per..((g + 1) * per).min(panels) {
-            // the panel widened into halves [h][k][16]
-            let panel = c.w.add(p * (k / 2) * NB);
-            for kp in 0..k / 2 {
-                let row = panel.add(kp * NB);
-                for q in 0..4 {
-                    let w = _mm256_loadu_si256(row.add(8 * q) as *const __m256i);
-                    let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
-                    let wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
-                    let dst = b.add((q / 2) * k * 16 + 8 * (q % 2));
-                    _mm256_storeu_ps(dst.add(2 * kp * 16), we);
-                    _mm256_storeu_ps(dst.add((2 * kp + 1) * 16), wo);
-                }
+        // a plain panel, or a gated pair (gate, then up: its halves 2 and 3)
+        let step = if c.glu { 2 } else { 1 };
+        let b = scratch(&BS, 2 * step * k * 16);
+        for p in (g * per..((g + 1) * per).min(panels)).step_by(step) {
+            for i in 0..step {
+                widen_panel(c.w.add((p + i) * (k / 2) * NB), k, b.add(2 * i * k * 16));
             }
-            let n0 = p * NB;
+            let n0 = p / step * NB;
             let cols = NB.min(c.n_out - n0);
             let halves = cols.div_ceil(16);
             for h in 0..halves {
                 let bh = b.add(h * k * 16);
+                let n = n0 + 16 * h;
+                let cn = (cols - 16 * h).min(16);
                 for tile in 0..tiles {
-                    let acc = micro(a.add(tile * MR * k), bh, k);
+                    let at = a.add(tile * MR * k);
+                    let acc = micro(at, bh, k);
                     let r_n = MR.min(rows - tile * MR);
-                    store(
-                        c,
-                        &acc,
-                        m0 + tile * MR,
-                        r_n,
-                        n0 + 16 * h,
-                        (cols - 16 * h).min(16),
-                    );
+                    let m = m0 + tile * MR;
+                    if c.glu {
+                        let up = micro(at, bh.add(2 * k * 16), k);
+                        for r in 0..r_n {
+                            let g = Avx2(acc[r][0], acc[r][1]);
+                            let u = Avx2(up[r][0], up[r][1]);
+                            super::store_glu16(c, g, u, m + r, n, cn);
+                        }
+                    } else {
+                        store(c, &acc, m, r_n, n, cn);
+                    }
                 }
+            }
+        }
+    }
+
+    /// A panel (`k / 2` rows of 32 bf16 pairs) widened to fp32 into two halves `[h][k][16]` at
+    /// `b` (columns 0-15, 16-31).
+    #[inline(always)]
+    unsafe fn widen_panel(panel: *const u32, k: usize, b: *mut f32) {
+        let hi_mask = _mm256_set1_epi32(-65536);
+        for kp in 0..k / 2 {
+            let row = panel.add(kp * NB);
+            for q in 0..4 {
+                let w = _mm256_loadu_si256(row.add(8 * q) as *const __m256i);
+                let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
+                let wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
+                let dst = b.add((q / 2) * k * 16 + 8 * (q % 2));
+                _mm256_storeu_ps(dst.add(2 * kp * 16), we);
+                _mm256_storeu_ps(dst.add((2 * kp + 1) * 16), wo);
             }
         }
     }
@@ -884,7 +963,7 @@ pub const TALL_ROWS: usize = 48;
 /// passes `KVCORE_NATIVE_TALL=0` as `false`, for A/B runs), a plain pack, `TALL_ROWS` rows or
 /// more, the AVX2 path.
 pub fn takes_tall(c: &Linear, portable: bool, allowed: bool) -> bool {
-    allowed && !portable && !c.glu && c.rows >= TALL_ROWS && has_avx2_path()
+    allowed && !portable && c.rows >= TALL_ROWS && has_avx2_path()
 }
 
 /// Whether this CPU runs the AVX-512 BF16 path (else the portable one, far slower: callers
@@ -900,7 +979,7 @@ pub fn has_fast_path() -> bool {
     }
 }
 
-/// Whether this CPU runs the AVX2 path for plain (not gated) panels: AVX2 and FMA, no AVX-512
+/// Whether this CPU runs the AVX2 path (plain and gated panels): AVX2 and FMA, no AVX-512
 /// BF16.
 pub fn has_avx2_path() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -933,7 +1012,7 @@ pub unsafe fn run_panels(
         return avx512::run_panels(c, lo, hi, next);
     }
     #[cfg(target_arch = "x86_64")]
-    if !portable && !c.glu && has_avx2_path() {
+    if !portable && has_avx2_path() {
         return avx2::run_panels(c, lo, hi);
     }
     let _ = portable;
@@ -1084,6 +1163,102 @@ mod tests {
         }
     }
 
+    /// Gated on AVX2, small-row and tall paths: the same bits as the plain product of `[gate |
+    /// up]` on the same path followed by `ops.rs`'s `SiluMul` on the AVX2 instance (what the
+    /// model ran before the fused call), at row counts on both sides of a tile, a block and
+    /// `TALL_ROWS`, and widths with a partial last panel or half (the tall path's bits equal the
+    /// small-row path's).
+    #[test]
+    fn gated_avx2_is_the_plain_product_then_silu_mul_bit_for_bit() {
+        if !has_avx2_path() {
+            return;
+        }
+        let mut seed = 17u64;
+        // `SiluMul` takes widths a multiple of 16; 37 (a partial half) checks tall = small only
+        for &(i_out, k) in &[(48usize, 576usize), (80, 30), (37, 30), (112, 1536)] {
+            let w: Vec<u16> = (0..2 * i_out * k)
+                .map(|_| f32_to_bf16(lcg(&mut seed)))
+                .collect();
+            let (gate, up) = w.split_at(i_out * k);
+            // the plain pack of [gate | up], and the gated one (gate panel i, then up panel i)
+            let mut flat = vec![0u32; (2 * i_out).div_ceil(NB) * k / 2 * NB];
+            let half = i_out.div_ceil(NB) * k / 2 * NB;
+            let (mut pg, mut pu) = (vec![0u32; half], vec![0u32; half]);
+            unsafe {
+                pack(w.as_ptr(), k, 2 * i_out, k, flat.as_mut_ptr());
+                pack(gate.as_ptr(), k, i_out, k, pg.as_mut_ptr());
+                pack(up.as_ptr(), k, i_out, k, pu.as_mut_ptr());
+            }
+            let panel = k / 2 * NB;
+            let mut gated = Vec::with_capacity(2 * half);
+            for p in 0..i_out.div_ceil(NB) {
+                gated.extend_from_slice(&pg[p * panel..(p + 1) * panel]);
+                gated.extend_from_slice(&pu[p * panel..(p + 1) * panel]);
+            }
+            let br = tall::block_rows(k);
+            for rows in [1, 2, 7, 47, 48, 53, br + 1, 2 * br + 5] {
+                let x: Vec<u16> = (0..rows * k).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
+                let run = |c: &Linear| unsafe {
+                    if takes_tall(c, false, true) {
+                        let (_, _, tasks) = tall::plan(c);
+                        for t in (0..tasks).rev() {
+                            tall::run_task(c, t);
+                        }
+                    } else {
+                        avx2::run_panels(c, 0, c.panels());
+                    }
+                };
+                let mut gu = vec![0u16; rows * 2 * i_out];
+                run(&plain(&x, rows, k, &flat, 2 * i_out, None, &mut gu));
+                let mut want = vec![0u16; rows * i_out];
+                let ops = crate::ops::Rows {
+                    op: crate::ops::Op::SiluMul,
+                    rows,
+                    dim: i_out,
+                    x: gu.as_mut_ptr(),
+                    x_stride: 2 * i_out,
+                    y: std::ptr::null_mut(),
+                    y_stride: 0,
+                    w: std::ptr::null(),
+                    out: want.as_mut_ptr(),
+                    out_stride: i_out,
+                    eps: 0.0,
+                    heads: 0,
+                    head_stride: 0,
+                };
+                if i_out % 16 == 0 {
+                    unsafe { crate::run_ops_rows(&ops, 0, rows, crate::ISA_AVX2) };
+                }
+                let gated_run = |tall_path: bool| {
+                    let mut got = vec![0u16; rows * i_out + 1];
+                    got[rows * i_out] = 0xabcd;
+                    let mut c = plain(&x, rows, k, &gated, i_out, None, &mut got);
+                    c.glu = true;
+                    unsafe {
+                        if tall_path {
+                            let (_, _, tasks) = tall::plan(&c);
+                            for t in (0..tasks).rev() {
+                                tall::run_task(&c, t);
+                            }
+                        } else {
+                            avx2::run_panels(&c, 0, c.panels());
+                        }
+                    }
+                    assert_eq!(got[rows * i_out], 0xabcd);
+                    got.truncate(rows * i_out);
+                    got
+                };
+                let small = gated_run(false);
+                if rows >= TALL_ROWS {
+                    assert_eq!(gated_run(true), small, "tall {i_out}x{k} rows {rows}");
+                }
+                if i_out % 16 == 0 {
+                    assert_eq!(small, want, "{i_out}x{k} rows {rows}");
+                }
+            }
+        }
+    }
+
     /// Gated: gate and up packed as alternating panels; both paths against silu(g) * u from
     /// fp64 sums (each rounded to bf16 first, as the plain product's output is).
     #[test]
@@ -1108,7 +1283,7 @@ mod tests {
                 packed.extend_from_slice(&pg[p * panel..(p + 1) * panel]);
                 packed.extend_from_slice(&pu[p * panel..(p + 1) * panel]);
             }
-            for rows in (1..=13).chain([19]) {
+            for rows in (1..=13).chain([19, 48, 53]) {
                 let x: Vec<u16> = (0..rows * k).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
                 for portable in [true, false] {
                     let mut out = vec![0u16; rows * i_out + 1];

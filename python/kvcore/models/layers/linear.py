@@ -64,7 +64,9 @@ oneDNN's best fp32 GEMM at 1-4 rows, 1.05-1.2x at 48-64, even at 128, where the 
 compute-bound). ``KVCORE_SMALL_LINEAR=0`` turns it off too. Calls of 48 rows or more (prefill
 chunks) take the kernel's blocked AVX2 GEMM on the same pack (``linear_cpu.tall_path()``), so
 there every row count runs native and the fp32 copies are not made (SmolLM2: peak RSS 3.13 ->
-2.53 GB); ``KVCORE_NATIVE_TALL=0`` keeps the copies and oneDNN / MKL above 64 rows.
+2.53 GB); ``KVCORE_NATIVE_TALL=0`` keeps the copies and oneDNN / MKL above 64 rows. There a SiLU
+MLP's gate-up is packed gated too (``gate_up_act`` above, both kernel paths): the same bits as the
+two steps (2026-12-05, a Zen 3: docs/engine.md).
 """
 
 from __future__ import annotations
@@ -264,10 +266,13 @@ def _upcast_linears(model: nn.Module) -> int:
     packed copy of them (``_packs_fp32``), five with the native kernel's bf16 pack for calls of
     up to ``UPCAST_SMALL_ROWS`` rows (``can_pack_small_avx2``). Where the native kernel's blocked
     AVX2 GEMM runs (``linear_cpu.tall_path()``), a weight it packs takes every row count there
-    and gets no fp32 copy: the bf16 pack alone, the weights' memory once more. Returns the bytes
-    made."""
+    and gets no fp32 copy: the bf16 pack alone, the weights' memory once more; a SiLU MLP's
+    gate-up is packed gated there (``gate_up_act``; ``KVCORE_FUSED_GATE_UP=0``: plain). Returns
+    the bytes made."""
     mods = []
     small, tall = can_pack_small_avx2(), linear_cpu.tall_path()
+    fuse = tall and os.environ.get("KVCORE_FUSED_GATE_UP", "1") not in ("0", "")
+    gated = {id(m.gate_up_proj) for m in model.modules() if fuse and _silu_gate_up(m)}
     total = 0
     for mod in model.modules():
         if not isinstance(mod, (MergedLinear, Linear)):
@@ -277,6 +282,10 @@ def _upcast_linears(model: nn.Module) -> int:
         if not (w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2):
             continue
         if small and w.shape[1] % 2 == 0 and (mod.bias is None or mod.bias.dtype == w.dtype):
+            if id(mod) in gated:  # gate_up_act: silu(gate) * up in one call, every row count
+                mod.gated = linear_cpu.pack_linear(w.detach(), glu=True)
+                total += mod.gated.nbytes
+                continue
             mod.small = linear_cpu.pack_linear(w.detach())
             total += mod.small.nbytes
             if tall:  # the blocked AVX2 GEMM takes every row count: no fp32 copy
