@@ -1180,7 +1180,11 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     let qpos = (first_pos + (r / g) as i64) as f32;
                     s = keys.add(S::splat(-qpos)).fma(S::splat(slope), s);
                 }
-                s = s.select(mk, S::splat(f32::NEG_INFINITY));
+                // a tile every key of which the row sees (most of a prefill's): no selects
+                let full = mk == u16::MAX;
+                if !full {
+                    s = s.select(mk, S::splat(f32::NEG_INFINITY));
+                }
                 let (mr, lr) = (&mut m[hq0 + r], &mut l[hq0 + r]);
                 let m_new = mr.max(s.hmax());
                 let alpha = if *mr == m_new {
@@ -1190,7 +1194,10 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 } else {
                     (*mr - m_new).exp()
                 };
-                let e = s.add(S::splat(-m_new)).exp().select(mk, S::splat(0.0));
+                let mut e = s.add(S::splat(-m_new)).exp_softmax();
+                if !full {
+                    e = e.select(mk, S::splat(0.0));
+                }
                 *lr = *lr * alpha + e.hsum();
                 *mr = m_new;
                 if alpha != 1.0 {

@@ -45,6 +45,12 @@ pub trait Simd: Copy {
     unsafe fn hsum(self) -> f32;
     /// e^x lane-wise (x = -inf or below -87 gives a tiny value or 0; callers mask).
     unsafe fn exp(self) -> Self;
+    /// e^x for a softmax's arguments (x <= 0): `exp`'s bits from x = -87.6 up (e^x normal from
+    /// -87.34); below that an instance may give any value up to e^-87.6 (~9e-39) instead.
+    #[inline(always)]
+    unsafe fn exp_softmax(self) -> Self {
+        self.exp()
+    }
     /// Lanes whose bit is set in `mask` from `self`, the others from `other`.
     unsafe fn select(self, mask: u16, other: Self) -> Self;
     /// In-place transpose of a 16 x 16 tile (row i, lane j) -> (row j, lane i).
