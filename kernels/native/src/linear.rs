@@ -1050,6 +1050,18 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     }
 
+    /// `c` on the blocked AVX2 GEMM (every task, the last first) or on the small-row path.
+    unsafe fn run_avx2(c: &Linear, tall_path: bool) {
+        if tall_path {
+            let (_, _, tasks) = tall::plan(c);
+            for t in (0..tasks).rev() {
+                tall::run_task(c, t);
+            }
+        } else {
+            avx2::run_panels(c, 0, c.panels());
+        }
+    }
+
     /// A plain (not gated) call: `rows` rows of `x` (`k` apart) into `out` (`n` apart).
     fn plain(
         x: &[u16],
@@ -1140,16 +1152,7 @@ mod tests {
                         out[rows * n] = 0xabcd;
                         let b = if with_bias { Some(&bias[..]) } else { None };
                         let c = plain(&x, rows, k, &packed, n, b, &mut out);
-                        unsafe {
-                            if tall_path {
-                                let (_, _, tasks) = tall::plan(&c);
-                                for t in (0..tasks).rev() {
-                                    tall::run_task(&c, t);
-                                }
-                            } else {
-                                avx2::run_panels(&c, 0, c.panels());
-                            }
-                        }
+                        unsafe { run_avx2(&c, tall_path) };
                         assert_eq!(out[rows * n], 0xabcd);
                         out
                     };
@@ -1198,18 +1201,9 @@ mod tests {
             let br = tall::block_rows(k);
             for rows in [1, 2, 7, 47, 48, 53, br + 1, 2 * br + 5] {
                 let x: Vec<u16> = (0..rows * k).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
-                let run = |c: &Linear| unsafe {
-                    if takes_tall(c, false, true) {
-                        let (_, _, tasks) = tall::plan(c);
-                        for t in (0..tasks).rev() {
-                            tall::run_task(c, t);
-                        }
-                    } else {
-                        avx2::run_panels(c, 0, c.panels());
-                    }
-                };
                 let mut gu = vec![0u16; rows * 2 * i_out];
-                run(&plain(&x, rows, k, &flat, 2 * i_out, None, &mut gu));
+                let c = plain(&x, rows, k, &flat, 2 * i_out, None, &mut gu);
+                unsafe { run_avx2(&c, takes_tall(&c, false, true)) };
                 let mut want = vec![0u16; rows * i_out];
                 let ops = crate::ops::Rows {
                     op: crate::ops::Op::SiluMul,
@@ -1234,16 +1228,7 @@ mod tests {
                     got[rows * i_out] = 0xabcd;
                     let mut c = plain(&x, rows, k, &gated, i_out, None, &mut got);
                     c.glu = true;
-                    unsafe {
-                        if tall_path {
-                            let (_, _, tasks) = tall::plan(&c);
-                            for t in (0..tasks).rev() {
-                                tall::run_task(&c, t);
-                            }
-                        } else {
-                            avx2::run_panels(&c, 0, c.panels());
-                        }
-                    }
+                    unsafe { run_avx2(&c, tall_path) };
                     assert_eq!(got[rows * i_out], 0xabcd);
                     got.truncate(rows * i_out);
                     got
