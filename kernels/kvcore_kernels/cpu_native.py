@@ -123,7 +123,6 @@ def _isa() -> int:
 
 
 @functools.cache
-@functools.cache
 def _cpu_has_avx512() -> bool:
     return bool(_native is not None and _native.features()[0])
 

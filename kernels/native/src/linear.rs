@@ -1050,6 +1050,23 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     }
 
+    /// A gated pack of `gate` and `up` (`[i_out, k]` bf16 each): gate panel `i`, then up panel `i`.
+    fn pack_gated(gate: &[u16], up: &[u16], i_out: usize, k: usize) -> Vec<u32> {
+        let half = i_out.div_ceil(NB) * k / 2 * NB;
+        let (mut pg, mut pu) = (vec![0u32; half], vec![0u32; half]);
+        unsafe {
+            pack(gate.as_ptr(), k, i_out, k, pg.as_mut_ptr());
+            pack(up.as_ptr(), k, i_out, k, pu.as_mut_ptr());
+        }
+        let panel = k / 2 * NB;
+        let mut packed = Vec::with_capacity(2 * half);
+        for p in 0..i_out.div_ceil(NB) {
+            packed.extend_from_slice(&pg[p * panel..(p + 1) * panel]);
+            packed.extend_from_slice(&pu[p * panel..(p + 1) * panel]);
+        }
+        packed
+    }
+
     /// `c` on the blocked AVX2 GEMM (every task, the last first) or on the small-row path.
     unsafe fn run_avx2(c: &Linear, tall_path: bool) {
         if tall_path {
@@ -1185,19 +1202,8 @@ mod tests {
             let (gate, up) = w.split_at(i_out * k);
             // the plain pack of [gate | up], and the gated one (gate panel i, then up panel i)
             let mut flat = vec![0u32; (2 * i_out).div_ceil(NB) * k / 2 * NB];
-            let half = i_out.div_ceil(NB) * k / 2 * NB;
-            let (mut pg, mut pu) = (vec![0u32; half], vec![0u32; half]);
-            unsafe {
-                pack(w.as_ptr(), k, 2 * i_out, k, flat.as_mut_ptr());
-                pack(gate.as_ptr(), k, i_out, k, pg.as_mut_ptr());
-                pack(up.as_ptr(), k, i_out, k, pu.as_mut_ptr());
-            }
-            let panel = k / 2 * NB;
-            let mut gated = Vec::with_capacity(2 * half);
-            for p in 0..i_out.div_ceil(NB) {
-                gated.extend_from_slice(&pg[p * panel..(p + 1) * panel]);
-                gated.extend_from_slice(&pu[p * panel..(p + 1) * panel]);
-            }
+            unsafe { pack(w.as_ptr(), k, 2 * i_out, k, flat.as_mut_ptr()) };
+            let gated = pack_gated(gate, up, i_out, k);
             let br = tall::block_rows(k);
             for rows in [1, 2, 7, 47, 48, 53, br + 1, 2 * br + 5] {
                 let x: Vec<u16> = (0..rows * k).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
@@ -1256,18 +1262,7 @@ mod tests {
             let up: Vec<u16> = (0..i_out * k)
                 .map(|_| f32_to_bf16(lcg(&mut seed)))
                 .collect();
-            let half = i_out.div_ceil(NB) * k / 2 * NB;
-            let (mut pg, mut pu) = (vec![0u32; half], vec![0u32; half]);
-            unsafe {
-                pack(gate.as_ptr(), k, i_out, k, pg.as_mut_ptr());
-                pack(up.as_ptr(), k, i_out, k, pu.as_mut_ptr());
-            }
-            let panel = k / 2 * NB;
-            let mut packed = Vec::with_capacity(2 * half);
-            for p in 0..i_out.div_ceil(NB) {
-                packed.extend_from_slice(&pg[p * panel..(p + 1) * panel]);
-                packed.extend_from_slice(&pu[p * panel..(p + 1) * panel]);
-            }
+            let packed = pack_gated(&gate, &up, i_out, k);
             for rows in (1..=13).chain([19, 48, 53]) {
                 let x: Vec<u16> = (0..rows * k).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
                 for portable in [true, false] {

@@ -223,8 +223,7 @@ def prepack_linears(model: nn.Module) -> int:
 
 def _pack_bf16_linears(model: nn.Module, dnn: bool, small: bool) -> int:
     """``prepack_linears`` where oneDNN's bf16 re-lay or the native kernel runs."""
-    fuse = os.environ.get("KVCORE_FUSED_GATE_UP", "1") not in ("0", "")
-    gated = {id(m.gate_up_proj) for m in model.modules() if fuse and _silu_gate_up(m)}
+    gated = _gated_gate_ups(model)
     total = 0
     for mod in model.modules():
         if not isinstance(mod, (MergedLinear, Linear)):
@@ -271,8 +270,7 @@ def _upcast_linears(model: nn.Module) -> int:
     the bytes made."""
     mods = []
     small, tall = can_pack_small_avx2(), linear_cpu.tall_path()
-    fuse = tall and os.environ.get("KVCORE_FUSED_GATE_UP", "1") not in ("0", "")
-    gated = {id(m.gate_up_proj) for m in model.modules() if fuse and _silu_gate_up(m)}
+    gated = _gated_gate_ups(model) if tall else set()
     total = 0
     for mod in model.modules():
         if not isinstance(mod, (MergedLinear, Linear)):
@@ -341,6 +339,14 @@ def _pack_fp32_linears(model: nn.Module) -> int:
         mod.upcast = (w.detach(), None if mod.bias is None else mod.bias.detach(), packed)
         total += w.numel() * 4
     return total
+
+
+def _gated_gate_ups(model: nn.Module) -> set[int]:
+    """Ids of the gate-ups ``prepack_linears`` packs gated (``gate_up_act``): those of SiLU MLPs,
+    unless ``KVCORE_FUSED_GATE_UP=0``."""
+    if os.environ.get("KVCORE_FUSED_GATE_UP", "1") in ("0", ""):
+        return set()
+    return {id(m.gate_up_proj) for m in model.modules() if _silu_gate_up(m)}
 
 
 def _silu_gate_up(mlp: nn.Module) -> bool:
