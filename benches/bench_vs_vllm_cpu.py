@@ -17,6 +17,9 @@ process group), since an idle vLLM spins and would slow whichever engine runs be
 worker warms up (and compiles) before its first timed case. Output: per case
 and worker the output tok/s; per case the ratios kvcore/vLLM at each one's best setting and at 1
 thread each; the worst case over seeds; and the token-for-token agreement of the outputs.
+``--rounds N`` runs each case N times per worker, the workers alternated within each round; a
+worker's median run stands for it, and the lowest and highest ratio of a single round are
+printed beside (on a shared machine one run can land in a slow minute of either engine).
 
 **The GEMM floor and the ceiling.** After each timed case a kvcore worker counts the job's
 linear-layer FLOPs (``gemm_flops``: the tokens the decoder layers saw, prefix-cache hits
@@ -55,6 +58,30 @@ def workload(kind: str, seed: int, n: int, vocab: int = 49152) -> list[list[int]
     return [
         prefix + [rng.randrange(100, vocab) for _ in range(rng.randint(128, 384))] for _ in range(n)
     ]
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tok/s (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["tok_s"])[(len(runs) - 1) // 2]
+
+
+def per_round_ratios(runs: dict[str, list[dict]], rounds: int) -> dict[str, tuple[float, float]]:
+    """With several rounds: the lowest and highest kvcore / vLLM ratio of one round's runs (each
+    engine's best worker in that round, and both at 1 thread)."""
+    if rounds < 2:
+        return {}
+    out: dict[str, list[float]] = {}
+    for i in range(rounds):
+        kv = {n: rs[i]["tok_s"] for n, rs in runs.items() if n.startswith("kvcore")}
+        vl = {n: rs[i]["tok_s"] for n, rs in runs.items() if n.startswith("vllm")}
+        if not kv or not vl:
+            return {}
+        out.setdefault("best", []).append(max(kv.values()) / max(vl.values()))
+        kv1 = [v for n, v in kv.items() if n.endswith("-1t")]
+        vl1 = [v for n, v in vl.items() if n.endswith("-1t")]
+        if kv1 and vl1:
+            out.setdefault("1thread", []).append(max(kv1) / max(vl1))
+    return {k: (min(v), max(v)) for k, v in out.items()}
 
 
 # ---- workers (run in a child process) -----------------------------------------------------
@@ -281,6 +308,12 @@ def main() -> None:
         help="vLLM's dtypes, best taken over them (float32 where the CPU has no bf16 GEMM)",
     )
     ap.add_argument("--no-peer", action="store_true", help="kvcore only")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each case per worker, alternated; each worker's median run counts",
+    )
     ap.add_argument("--json", default=None, help="write every measurement here")
     args = ap.parse_args()
     peer = Path(args.peer_dir)
@@ -320,22 +353,41 @@ def main() -> None:
     for kind in args.workloads:
         for seed in args.seeds:
             prompts = workload(kind, seed, args.requests)
-            res = {}
-            for w in workers:  # interleaved: every worker on this case, one after the other
-                r = w.run(prompts, args.max_tokens)
-                res[w.name] = r
-                records.append({"case": kind, "seed": seed, "worker": w.name, "tok_s": r["tok_s"]})
+            runs: dict[str, list[dict]] = {w.name: [] for w in workers}
+            for rnd in range(args.rounds):
+                for w in workers:  # interleaved: every worker on this case, one after the other
+                    r = w.run(prompts, args.max_tokens)
+                    runs[w.name].append(r)
+                    records.append(
+                        {"case": kind, "seed": seed, "round": rnd, "worker": w.name}
+                        | {k: r[k] for k in ("tok_s", "s")}
+                    )
+                    if args.rounds > 1:
+                        print(
+                            f"  {kind} seed {seed} round {rnd} {w.name}: {r['tok_s']:.1f} tok/s",
+                            flush=True,
+                        )
+            # per worker its median run (by tok/s; the lower middle one for an even count)
+            res = {n: median_run(rs) for n, rs in runs.items()}
+            spread = per_round_ratios(runs, args.rounds)
+            for w in workers:
+                r = res[w.name]
                 floor = ""
+                keep = ("tok_s", "s", "gemm_gflop", "peak_gflops", "floor_s")
                 if "gemm_gflop" in r:  # kvcore: its GEMMs at this machine's best GEMM rate
                     r["floor_s"] = r["gemm_gflop"] / r["peak_gflops"]
-                    records[-1].update({k: r[k] for k in ("gemm_gflop", "peak_gflops", "floor_s")})
                     floor = (
                         f"; GEMM floor {r['floor_s']:.1f} s ({r['gemm_gflop']:.0f} GFLOP at "
                         f"{r['peak_gflops']:.0f} GFLOP/s), {100 * r['floor_s'] / r['s']:.0f} % "
                         "of its wall"
                     )
+                records.append(
+                    {"case": kind, "seed": seed, "worker": w.name, "median_of": args.rounds}
+                    | {k: r[k] for k in keep if k in r}
+                )
                 print(
                     f"{kind} seed {seed} {w.name}: {r['tok_s']:.1f} out tok/s ({r['s']:.1f} s)"
+                    + (f", median of {args.rounds}" if args.rounds > 1 else "")
                     + floor,
                     flush=True,
                 )
@@ -371,6 +423,8 @@ def main() -> None:
                 f"common prefix {pre:.1%}",
                 flush=True,
             )
+            for k, (lo, hi) in spread.items():
+                print(f"{kind} seed {seed}: per-round ratio_{k} {lo:.2f}-{hi:.2f}x", flush=True)
     for name, v in worst.items():
         print(f"worst_ratio_{name}: {v:.2f}x")
     for name, v in ceiling.items():  # the lowest over seeds: a bound on the worst case's ratio
