@@ -19,7 +19,9 @@ and worker the output tok/s; per case the ratios kvcore/vLLM at each one's best 
 thread each; the worst case over seeds; and the token-for-token agreement of the outputs.
 ``--rounds N`` runs each case N times per worker, the workers alternated within each round; a
 worker's median run stands for it, and the lowest and highest ratio of a single round are
-printed beside (on a shared machine one run can land in a slow minute of either engine).
+printed beside (on a shared machine one run can land in a slow minute of either engine). Each
+later round changes the prompts' first token (the same new token for equal first tokens), so no
+round finds the one before in a prefix cache.
 
 **The GEMM floor and the ceiling.** After each timed case a kvcore worker counts the job's
 linear-layer FLOPs (``gemm_flops``: the tokens the decoder layers saw, prefix-cache hits
@@ -58,6 +60,12 @@ def workload(kind: str, seed: int, n: int, vocab: int = 49152) -> list[list[int]
     return [
         prefix + [rng.randrange(100, vocab) for _ in range(rng.randint(128, 384))] for _ in range(n)
     ]
+
+
+def first_token(t: int, rnd: int, vocab: int = 49152) -> int:
+    """Round ``rnd``'s first token for a prompt that starts with ``t`` (``t`` itself in round
+    0; another id of ``workload``'s range, the same for equal ``t``, in each later round)."""
+    return 100 + (t - 100 + 7919 * rnd) % (vocab - 100)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -355,8 +363,11 @@ def main() -> None:
             prompts = workload(kind, seed, args.requests)
             runs: dict[str, list[dict]] = {w.name: [] for w in workers}
             for rnd in range(args.rounds):
+                # a later round's prompts differ in their first token, so that neither engine's
+                # prefix cache serves them from the round before (a shared prefix stays shared)
+                rp = [[first_token(p[0], rnd)] + p[1:] for p in prompts]
                 for w in workers:  # interleaved: every worker on this case, one after the other
-                    r = w.run(prompts, args.max_tokens)
+                    r = w.run(rp, args.max_tokens)
                     runs[w.name].append(r)
                     records.append(
                         {"case": kind, "seed": seed, "round": rnd, "worker": w.name}
