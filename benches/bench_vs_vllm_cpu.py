@@ -324,6 +324,8 @@ def main() -> None:
     )
     ap.add_argument("--json", default=None, help="write every measurement here")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     peer = Path(args.peer_dir)
     model_dir = args.model_dir or str(peer / "smollm2-hf")
     if args.worker:
@@ -424,7 +426,9 @@ def main() -> None:
                 worst[f"{kind}_{k}"] = min(worst.get(f"{kind}_{k}", float("inf")), v)
             for k, v in ceilings.items():
                 ceiling[f"{kind}_{k}"] = min(ceiling.get(f"{kind}_{k}", float("inf")), v)
-            seqs, toks, pre = agreement(kv[best_kv]["tokens"], vl[best_vl]["tokens"])
+            # the same prompts on both sides: round 0's outputs (a worker's median run may be
+            # another round's, whose prompts start with another token)
+            seqs, toks, pre = agreement(runs[best_kv][0]["tokens"], runs[best_vl][0]["tokens"])
             print(
                 f"{kind} seed {seed}: ratio_best {ratios['best']:.2f}x ({best_kv} vs {best_vl})"
                 + (f", ratio_1thread {ratios['1thread']:.2f}x" if "1thread" in ratios else "")
