@@ -52,20 +52,23 @@ from pathlib import Path
 RESULT = "@@RESULT "
 
 
-def workload(kind: str, seed: int, n: int, vocab: int = 49152) -> list[list[int]]:
+# the token ids a workload draws from: SmolLM2's vocabulary past its first 100 (special) ids
+IDS = (100, 49152)
+
+
+def workload(kind: str, seed: int, n: int) -> list[list[int]]:
     import random
 
     rng = random.Random(seed * 1000 + (kind == "shared"))
-    prefix = [rng.randrange(100, vocab) for _ in range(512)] if kind == "shared" else []
-    return [
-        prefix + [rng.randrange(100, vocab) for _ in range(rng.randint(128, 384))] for _ in range(n)
-    ]
+    prefix = [rng.randrange(*IDS) for _ in range(512)] if kind == "shared" else []
+    return [prefix + [rng.randrange(*IDS) for _ in range(rng.randint(128, 384))] for _ in range(n)]
 
 
-def first_token(t: int, rnd: int, vocab: int = 49152) -> int:
+def first_token(t: int, rnd: int) -> int:
     """Round ``rnd``'s first token for a prompt that starts with ``t`` (``t`` itself in round
-    0; another id of ``workload``'s range, the same for equal ``t``, in each later round)."""
-    return 100 + (t - 100 + 7919 * rnd) % (vocab - 100)
+    0; another id of ``IDS``, the same for equal ``t``, in each later round)."""
+    lo, hi = IDS
+    return lo + (t - lo + 7919 * rnd) % (hi - lo)
 
 
 def median_run(runs: list[dict]) -> dict:
