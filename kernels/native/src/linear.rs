@@ -542,8 +542,9 @@ pub mod avx2 {
 /// 60-77 for MKL / oneDNN on fp32 copies (`benches/tools/linear_avx2_bf16.py`). Here, the
 /// GotoBLAS order (as BLIS's Zen kernels): a task is a block of `block_rows` rows and a run of
 /// panels; the block's rows are widened once to fp32 (row-major; the block sized to stay in
-/// L2), each panel is widened once into two halves `[k][16]` fp32, and a 6 x 16 register tile
-/// (12 accumulators, 2 weight loads and 6 broadcasts per input) runs over the full `k`. The
+/// L2), each panel is widened once into two halves `[k][16]` fp32 (by the first tile that reads
+/// it, `micro_widen`), and a 6 x 16 register tile (12 accumulators, 2 weight loads and 6
+/// broadcasts per input) runs over the full `k`. The
 /// sum of each output is `fma` over `k` ascending from zero, the order of the small-row path:
 /// the same bits for a row whatever path or batch it runs in.
 ///
@@ -558,6 +559,8 @@ pub mod tall {
 
     /// Rows per register tile.
     pub const MR: usize = 6;
+    /// Pack rows (128 bytes each) ahead of the first tile that it prefetches.
+    const PF_ROWS: usize = 12;
     /// Bytes of widened rows a task keeps (about half a Zen 3 L2, beside one widened panel).
     pub const BLOCK_BYTES: usize = 256 * 1024;
     /// Tasks a call aims for (dynamic claiming balances two threads with a slowed one).
@@ -632,9 +635,6 @@ pub mod tall {
         let step = if c.glu { 2 } else { 1 };
         let b = scratch(&BS, 2 * step * k * 16);
         for p in (g * per..((g + 1) * per).min(panels)).step_by(step) {
-            for i in 0..step {
-                widen_panel(c.w.add((p + i) * (k / 2) * NB), k, b.add(2 * i * k * 16));
-            }
             let n0 = p / step * NB;
             let cols = NB.min(c.n_out - n0);
             let halves = cols.div_ceil(16);
@@ -642,13 +642,23 @@ pub mod tall {
                 let bh = b.add(h * k * 16);
                 let n = n0 + 16 * h;
                 let cn = (cols - 16 * h).min(16);
+                // the half's weights (and the up half's) at their first tile, widened there
+                let wh = |i: usize| c.w.add((p + i) * (k / 2) * NB + 16 * h);
                 for tile in 0..tiles {
                     let at = a.add(tile * MR * k);
-                    let acc = micro(at, bh, k);
+                    let acc = if tile == 0 {
+                        micro_widen(at, wh(0), k, bh)
+                    } else {
+                        micro(at, bh, k)
+                    };
                     let r_n = MR.min(rows - tile * MR);
                     let m = m0 + tile * MR;
                     if c.glu {
-                        let up = micro(at, bh.add(2 * k * 16), k);
+                        let up = if tile == 0 {
+                            micro_widen(at, wh(1), k, bh.add(2 * k * 16))
+                        } else {
+                            micro(at, bh.add(2 * k * 16), k)
+                        };
                         for r in 0..r_n {
                             let g = Avx2(acc[r][0], acc[r][1]);
                             let u = Avx2(up[r][0], up[r][1]);
@@ -662,22 +672,50 @@ pub mod tall {
         }
     }
 
-    /// A panel (`k / 2` rows of 32 bf16 pairs) widened to fp32 into two halves `[h][k][16]` at
-    /// `b` (columns 0-15, 16-31).
+    /// `micro` on a panel half read from the pack (`w`: its first dword, `k / 2` rows `NB`
+    /// dwords apart, 16 bf16 pairs used of each), each pair of inputs widened in registers (the
+    /// even one by a shift, the odd one by a mask) and stored to `bh` as `[k][16]` fp32 for the
+    /// block's later tiles. The widening's loads and stores run beside the first tile's FMAs
+    /// instead of in a pass of their own, and the pack rows `PF_ROWS` ahead are prefetched (this
+    /// half reads every other cache line of the pack, a stride the hardware prefetcher did not
+    /// cover: without it the first tile waited on memory and the call ran 3-8 % slower at 48
+    /// rows than with the separate pass).
     #[inline(always)]
-    unsafe fn widen_panel(panel: *const u32, k: usize, b: *mut f32) {
+    unsafe fn micro_widen(
+        ap: *const f32,
+        w: *const u32,
+        k: usize,
+        bh: *mut f32,
+    ) -> [[__m256; 2]; MR] {
+        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
         let hi_mask = _mm256_set1_epi32(-65536);
         for kp in 0..k / 2 {
-            let row = panel.add(kp * NB);
-            for q in 0..4 {
-                let w = _mm256_loadu_si256(row.add(8 * q) as *const __m256i);
-                let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
-                let wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
-                let dst = b.add((q / 2) * k * 16 + 8 * (q % 2));
-                _mm256_storeu_ps(dst.add(2 * kp * 16), we);
-                _mm256_storeu_ps(dst.add((2 * kp + 1) * 16), wo);
+            let row = w.add(kp * NB) as *const __m256i;
+            // past the panel's end this is the next panel's (or no) memory: a prefetch never
+            // faults, and `wrapping_add` keeps the address arithmetic defined
+            let ahead = w.wrapping_add((kp + PF_ROWS) * NB) as *const i8;
+            _mm_prefetch::<_MM_HINT_T0>(ahead);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.add(64));
+            let dst = bh.add(32 * kp);
+            for (j, odd) in [(2 * kp, false), (2 * kp + 1, true)] {
+                let (w0, w1) = (_mm256_loadu_si256(row), _mm256_loadu_si256(row.add(1)));
+                let (b0, b1) = if odd {
+                    (_mm256_and_si256(w0, hi_mask), _mm256_and_si256(w1, hi_mask))
+                } else {
+                    (_mm256_slli_epi32::<16>(w0), _mm256_slli_epi32::<16>(w1))
+                };
+                let (b0, b1) = (_mm256_castsi256_ps(b0), _mm256_castsi256_ps(b1));
+                let o = if odd { 16 } else { 0 };
+                _mm256_storeu_ps(dst.add(o), b0);
+                _mm256_storeu_ps(dst.add(o + 8), b1);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let x = _mm256_broadcast_ss(&*ap.add(r * k + j));
+                    a[0] = _mm256_fmadd_ps(x, b0, a[0]);
+                    a[1] = _mm256_fmadd_ps(x, b1, a[1]);
+                }
             }
         }
+        acc
     }
 
     /// The 6 x 16 tile over all `k`: `ap` 6 fp32 rows `k` apart, `bh` `[k][16]`.
