@@ -483,7 +483,7 @@ def linear(
 ) -> None:  # fmt: skip
     """A bf16 linear over addresses (``linear_cpu`` checked the tensors) on the kernel's
     threads; ``glu``: a gated weight, ``silu(gate) * up`` out. On the AVX2 path, calls of
-    ``TALL_ROWS`` (48) rows or more take the blocked GEMM unless ``linear_tall_allowed()`` says
+    ``TALL_ROWS`` (12) rows or more take the blocked GEMM unless ``linear_tall_allowed()`` says
     no."""
     _bind_openmp()
     _native.linear(

@@ -98,7 +98,7 @@ def test_gated_linear_is_the_plain_product_then_silu_and_mul(portable, rows, i_o
 @pytest.mark.skipif(not linear_cpu.avx2_path(), reason="no AVX2 path here (the blocked GEMM)")
 @settings(max_examples=20, deadline=None)
 @given(
-    rows=st.integers(48, 300),
+    rows=st.integers(12, 300),
     n=st.integers(1, 130),
     k=st.integers(1, 400).map(lambda v: 2 * v),
     bias=st.booleans(),
@@ -107,8 +107,8 @@ def test_gated_linear_is_the_plain_product_then_silu_and_mul(portable, rows, i_o
     seed=st.integers(0, 2**31 - 1),
 )
 def test_tall_rows_match_float64_and_the_small_row_bits(rows, n, k, bias, pad, mode, seed):
-    """48 rows or more take the blocked AVX2 GEMM (``linear_cpu.tall_path()``): within the
-    float64 bound, and the bits of the small-row panels (``OPTIONS.tall`` off), which sum
+    """12 rows or more (``TALL_ROWS``) take the blocked AVX2 GEMM (``linear_cpu.tall_path()``):
+    within the float64 bound, and the bits of the small-row panels (``OPTIONS.tall`` off), which sum
     each output in the same order, in every thread mode."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen).bfloat16()
@@ -128,14 +128,14 @@ def test_tall_rows_match_float64_and_the_small_row_bits(rows, n, k, bias, pad, m
 @pytest.mark.skipif(not linear_cpu.avx2_path(), reason="no AVX2 path here (the blocked GEMM)")
 @settings(max_examples=15, deadline=None)
 @given(
-    rows=st.integers(48, 200),
+    rows=st.integers(12, 200),
     i_out=st.integers(1, 100),
     k=st.integers(1, 300).map(lambda v: 2 * v),
     mode=st.sampled_from(["omp", "rayon", "single"]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_tall_gated_is_the_plain_product_then_silu_and_mul(rows, i_out, k, mode, seed):
-    """A gated pack on the blocked AVX2 GEMM (48 rows or more): the bits of the plain product
+    """A gated pack on the blocked AVX2 GEMM (12 rows or more): the bits of the plain product
     on the same path followed by ``silu_and_mul``, and of the small-row path's gated call."""
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(2 * i_out, k, generator=gen) * k**-0.5).bfloat16()

@@ -28,7 +28,7 @@
 //! fp32 (a shift for the even input, a mask for the odd) and two FMAs per row; half the bytes of
 //! the fp32 copy such a CPU otherwise runs bf16 weights on; a chunk's rows of `x` are widened
 //! once into per-thread scratch (grown, never freed). ~150 GFLOP/s on two threads (a Zen 3).
-//! From `TALL_ROWS` rows (prefill chunks) the AVX2 path runs a blocked GEMM instead (`tall`:
+//! From `TALL_ROWS` (12) rows the AVX2 path runs a blocked GEMM instead (`tall`:
 //! rows and panels widened once per task, a 6 x 16 fp32 tile) with the same bits.
 //!
 //! Invariants: `K` is even; `x` rows hold `K` bf16 (unit stride), `out` rows `N` bf16. Results
@@ -993,9 +993,11 @@ pub mod amx {
 /// bounds the AVX-512 path and its dot products keep up; `benches/bench_linear_cpu.py`).
 pub const AMX_MIN_ROWS: usize = 8;
 
-/// Rows from which a plain call on the AVX2 path takes the blocked GEMM (`tall`) instead of the
-/// small-row panels (measured crossover: `benches/tools/linear_avx2_bf16.py`).
-pub const TALL_ROWS: usize = 48;
+/// Rows from which a call on the AVX2 path takes the blocked GEMM (`tall`) instead of the
+/// small-row panels. Measured crossover since the panel is widened by its first tile (a Zen 3,
+/// SmolLM2's shapes, `benches/results/widen_2026-12-05/`): the blocked GEMM 1.12-1.21x the small
+/// rows' speed at 12-42 rows on one thread (1.06-1.19x on two), 0.98-0.99x at 10, 0.84x at 8.
+pub const TALL_ROWS: usize = 12;
 
 /// Whether a call runs the blocked AVX2 GEMM (`tall`): the caller allows it (`kvcore_kernels`
 /// passes `KVCORE_NATIVE_TALL=0` as `false`, for A/B runs), a plain pack, `TALL_ROWS` rows or
@@ -1199,7 +1201,7 @@ mod tests {
             let mut packed = vec![0u32; n.div_ceil(NB) * k / 2 * NB];
             unsafe { pack(w.as_ptr(), k, n, k, packed.as_mut_ptr()) };
             let br = tall::block_rows(k);
-            for rows in [48, 49, 53, br - 1, br, br + 1, 2 * br + 5, 301] {
+            for rows in [12, 13, 17, 48, 49, 53, br - 1, br, br + 1, 2 * br + 5, 301] {
                 let x: Vec<u16> = (0..rows * k).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
                 for with_bias in [false, true] {
                     let run = |tall_path: bool| {
@@ -1243,7 +1245,7 @@ mod tests {
             unsafe { pack(w.as_ptr(), k, 2 * i_out, k, flat.as_mut_ptr()) };
             let gated = pack_gated(gate, up, i_out, k);
             let br = tall::block_rows(k);
-            for rows in [1, 2, 7, 47, 48, 53, br + 1, 2 * br + 5] {
+            for rows in [1, 2, 7, 11, 12, 13, 47, 48, 53, br + 1, 2 * br + 5] {
                 let x: Vec<u16> = (0..rows * k).map(|_| f32_to_bf16(lcg(&mut seed))).collect();
                 let mut gu = vec![0u16; rows * 2 * i_out];
                 let c = plain(&x, rows, k, &flat, 2 * i_out, None, &mut gu);

@@ -61,12 +61,12 @@ Calls of up to ``UPCAST_SMALL_ROWS`` rows take the native kernel's AVX2 path on 
 the weight instead (``linear_cpu.avx2_path``): bf16 widened to fp32 in registers, so a step of a
 few rows streams half the bytes of the fp32 copy (2 threads, Zen 3, SmolLM2's shapes: 2.0-3.3x
 oneDNN's best fp32 GEMM at 1-4 rows, 1.05-1.2x at 48-64, even at 128, where the GEMM is
-compute-bound). ``KVCORE_SMALL_LINEAR=0`` turns it off too. Calls of 48 rows or more (prefill
-chunks) take the kernel's blocked AVX2 GEMM on the same pack (``linear_cpu.tall_path()``), so
-there every row count runs native and the fp32 copies are not made (SmolLM2: peak RSS 3.13 ->
-2.53 GB); ``KVCORE_NATIVE_TALL=0`` keeps the copies and oneDNN / MKL above 64 rows. There a SiLU
-MLP's gate-up is packed gated too (``gate_up_act`` above, both kernel paths): the same bits as the
-two steps (2026-12-05, a Zen 3: docs/engine.md).
+compute-bound). ``KVCORE_SMALL_LINEAR=0`` turns it off too. Calls of 12 rows or more (prefill
+chunks, decode steps of 12+ requests) take the kernel's blocked AVX2 GEMM on the same pack
+(``linear_cpu.tall_path()``), so there every row count runs native and the fp32 copies are not
+made (SmolLM2: peak RSS 3.13 -> 2.53 GB); ``KVCORE_NATIVE_TALL=0`` keeps the copies and oneDNN /
+MKL above 64 rows. There a SiLU MLP's gate-up is packed gated too (``gate_up_act`` above, both
+kernel paths): the same bits as the two steps (2026-12-05, a Zen 3: docs/engine.md).
 """
 
 from __future__ import annotations
