@@ -678,7 +678,7 @@ pub mod tall {
     /// block's later tiles. The widening's loads and stores run beside the first tile's FMAs
     /// instead of in a pass of their own, and the pack rows `PF_ROWS` ahead are prefetched (this
     /// half reads every other cache line of the pack, a stride the hardware prefetcher did not
-    /// cover: without it the first tile waited on memory and the call ran 3-8 % slower at 48
+    /// cover: without it the first tile waited on memory and the call ran 2-8 % slower at 48
     /// rows than with the separate pass).
     #[inline(always)]
     unsafe fn micro_widen(
