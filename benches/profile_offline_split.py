@@ -1,7 +1,8 @@
 """Where the offline SmolLM2 job's wall time goes: GEMMs, attention (prefill and decode steps),
 the K/V store, the rest (the attention and store of a step's layers through
-``step_calls.LayerCalls`` counted as attention; a gated gate-up as a GEMM; GEMMs and attention
-each split by step kind: a step with one query token per request is a decode step). Issue 24/25's
+``step_calls.LayerCalls`` counted as attention; a gated gate-up as a GEMM; the native
+element-wise ops and the greedy argmax on lines of their own; GEMMs and attention each split by
+step kind: a step with one query token per request is a decode step). Issue 24/25's
 workload (``bench_vs_vllm_cpu.workload``: 48 prompts of
 128-384 random token ids, optionally after one shared 512-token prefix, 64 greedy tokens, EOS
 ignored), eager, kvcore's own model code. Each call is timed from Python by wrapping it (no
@@ -125,6 +126,8 @@ def main() -> None:
 
     cpu_native._build = counted_build
     linear._linear = gemm(linear._linear)  # packed or F.linear
+    cpu_native.elementwise = timed("element-wise ops", cpu_native.elementwise)  # norms, rotary
+    cpu_native.argmax_bf16 = timed("greedy argmax", cpu_native.argmax_bf16)
     llm = LLM(
         args.model_dir, dtype="bfloat16", num_blocks=4096, max_num_batched_tokens=2048,
         enforce_eager=True, model_impl="kvcore",
