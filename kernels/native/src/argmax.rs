@@ -204,7 +204,8 @@ mod tests {
     fn vector_paths_match_the_scalar_one() {
         #[cfg(target_arch = "x86_64")]
         {
-            let paths: [(bool, unsafe fn(*const u16, usize) -> usize); 2] = [
+            type Path = unsafe fn(*const u16, usize) -> usize;
+            let paths: [(bool, Path); 2] = [
                 (crate::has_avx512(), argmax_avx512),
                 (crate::has_avx2(), argmax_avx2),
             ];
@@ -242,17 +243,17 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         if crate::has_avx2() {
             // the largest value after the last whole block of 16; then every value equal
-            let mut row = vec![bits(-1.0); 37];
+            let mut row = [bits(-1.0); 37];
             row[36] = bits(2.0);
             assert_eq!(unsafe { argmax_avx2(row.as_ptr(), 37) }, 36);
-            let row = vec![bits(-3.0); 50];
+            let row = [bits(-3.0); 50];
             assert_eq!(unsafe { argmax_avx2(row.as_ptr(), 50) }, 0);
             // -0 and +0 tie: the first wins; all -inf: index 0; a negative NaN beats +inf
             let row = [bits(-0.0), bits(0.0), bits(-1.0)].repeat(11);
             assert_eq!(unsafe { argmax_avx2(row.as_ptr(), 33) }, 0);
-            let row = vec![bits(f32::NEG_INFINITY); 40];
+            let row = [bits(f32::NEG_INFINITY); 40];
             assert_eq!(unsafe { argmax_avx2(row.as_ptr(), 40) }, 0);
-            let mut row = vec![bits(f32::INFINITY); 40];
+            let mut row = [bits(f32::INFINITY); 40];
             row[21] = bits(-f32::NAN);
             assert_eq!(unsafe { argmax_avx2(row.as_ptr(), 40) }, 21);
         }
