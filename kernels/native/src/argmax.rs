@@ -71,15 +71,26 @@ pub unsafe fn argmax_avx512(p: *const u16, n: usize) -> usize {
     let mut blks = [0u16; 32];
     _mm512_storeu_si512(keys.as_mut_ptr() as *mut _, best);
     _mm512_storeu_si512(blks.as_mut_ptr() as *mut _, bidx);
+    reduce_lanes(&keys, &blks, p, n)
+}
+
+/// The first index of the largest key: each lane's best key `keys[lane]`, first seen in block
+/// `blks[lane]` (blocks of `keys.len()` values), then the values after the last whole block.
+///
+/// # Safety
+/// `p` points to `n` readable bf16 values.
+#[cfg(target_arch = "x86_64")]
+unsafe fn reduce_lanes(keys: &[u16], blks: &[u16], p: *const u16, n: usize) -> usize {
+    let w = keys.len();
     let (mut bk, mut bi) = (0u16, usize::MAX);
-    for lane in 0..32 {
-        let i = blks[lane] as usize * 32 + lane;
-        if keys[lane] > bk || (keys[lane] == bk && i < bi) {
-            bk = keys[lane];
+    for (lane, (&k, &b)) in keys.iter().zip(blks).enumerate() {
+        let i = b as usize * w + lane;
+        if k > bk || (k == bk && i < bi) {
+            bk = k;
             bi = i;
         }
     }
-    for i in 32 * nb..n {
+    for i in n / w * w..n {
         let k = key(*p.add(i));
         if k > bk {
             bk = k;
@@ -117,27 +128,13 @@ pub unsafe fn argmax_avx2(p: *const u16, n: usize) -> usize {
         best = _mm256_max_epi16(best, k);
         bidx = _mm256_blendv_epi8(bidx, _mm256_set1_epi16(blk as u16 as i16), gt);
     }
-    let mut keys = [0i16; 16];
+    // back to unsigned keys
+    let best = _mm256_xor_si256(best, top);
+    let mut keys = [0u16; 16];
     let mut blks = [0u16; 16];
     _mm256_storeu_si256(keys.as_mut_ptr() as *mut _, best);
     _mm256_storeu_si256(blks.as_mut_ptr() as *mut _, bidx);
-    let (mut bk, mut bi) = (i16::MIN, usize::MAX);
-    for lane in 0..16 {
-        let i = blks[lane] as usize * 16 + lane;
-        if keys[lane] > bk || (keys[lane] == bk && i < bi) {
-            bk = keys[lane];
-            bi = i;
-        }
-    }
-    let mut bk = (bk as u16) ^ 0x8000; // the unsigned key again
-    for i in 16 * nb..n {
-        let k = key(*p.add(i));
-        if k > bk {
-            bk = k;
-            bi = i;
-        }
-    }
-    bi
+    reduce_lanes(&keys, &blks, p, n)
 }
 
 /// `out[r]` = the argmax of row `r` (`rows` rows of `n` values, `stride` elements apart).
