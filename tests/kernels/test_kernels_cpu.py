@@ -227,7 +227,7 @@ def test_quantized_decode_matches_twin_on_both_avx512_paths(
     soft_cap=st.one_of(st.none(), st.floats(1.0, 30.0)),
     split_keys=st.sampled_from([None, 16, 48]),
     release=st.booleans(),
-    isa=st.sampled_from(["auto", "nodec"]),
+    isa=st.sampled_from(["auto", "nodec", "onepass"]),
     fuse_heads=st.sampled_from([None, True]),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -238,7 +238,9 @@ def test_bf16_decode_on_amx_tiles_matches_twin(
     """bf16 decode (one query token per request) over a bf16 cache: on a CPU with AMX
     (``isa="auto"``) the scores of a KV head's query rows (up to 16) are tile products over K
     rows read in place, the softmax takes two passes (``dec_amx.rs``); ``"nodec"`` runs the
-    AVX-512 tile loop; rows over 16 (GQA 17/1) and head dim 48 fall back to it. Against the
+    AVX-512 tile loop (on AVX-512 BF16, up to 4 rows per KV head: scores of every tile first,
+    then one softmax and P.V, ``two_pass`` in ``attend.rs``); ``"onepass"`` the tile loop's online
+    softmax; rows over 16 (GQA 17/1) and head dim 48 fall back to it. Against the
     twin: tiles across blocks (block size 8, 12), partial tiles, windows, soft-capping, forced
     splits (the partial path), released blocks (never read: the null block is NaN)."""
     monkeypatch.setattr(cpu_native.OPTIONS, "isa", isa)

@@ -23,7 +23,11 @@
 //!
 //! On AMX with a bf16 cache, a decode item (one query token, up to 16 query heads per KV head,
 //! no ALiBi) runs in `dec_amx.rs` instead: its scores as tile products over K rows read in
-//! place, a two-pass softmax, P.V as below.
+//! place, a two-pass softmax, P.V as below. Without AMX, a bf16 item of up to 4 rows per KV head
+//! on AVX-512 BF16 takes two passes per 512-key segment (`two_pass`): the tile loop keeps each
+//! tile's scores and V row addresses (thread-local, grown, never freed), then per row one max
+//! and rescale per segment, and per tile exp, P in bf16 pairs and P.V: no per-tile horizontal
+//! max and sum, scalar `exp` or accumulator rescale.
 //!
 //! Without either (AVX2), an item with at most `DIRECT_MAX_ROWS` rows per KV head (decode) and
 //! any cache format skips the K tile's transpose: `qk_direct` dots each query row
@@ -148,6 +152,8 @@ pub struct Call {
     pub seg: bool,
     /// with `amx`: whether bf16 decode items run on tiles (`dec_amx.rs`)
     pub dec: bool,
+    /// whether bf16 decode items off AMX take two passes over their keys (`lib::run` sets it)
+    pub two_pass: bool,
 }
 
 unsafe impl Sync for Call {}
@@ -160,6 +166,19 @@ struct Align64([u32; 16]);
 thread_local! {
     /// `cols::head_seg`'s buffers (`seg_len`): grown, never freed.
     static SEG: std::cell::RefCell<Vec<Align64>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The two-pass decode's kept tiles (`TwoPass`): grown, never freed.
+    static TWO: std::cell::RefCell<TwoPass> = const {
+        std::cell::RefCell::new(TwoPass { s: Vec::new(), v: Vec::new(), tiles: Vec::new() })
+    };
+}
+
+/// What the two-pass decode (`run_item`'s `two_pass`) keeps of each key tile between its
+/// passes: the scores of every row (`[head][tile][row]`, 16 lanes each; masked keys -inf), the V
+/// row addresses (`[head][tile]`, 16 each) and per tile the rows' key masks and real keys.
+struct TwoPass {
+    s: Vec<Align64>,
+    v: Vec<[usize; W]>,
+    tiles: Vec<([u16; 4], usize)>,
 }
 
 /// 64-byte units of `cols::head_seg`'s buffers for `nt` key tiles of `heads` KV heads: K rows
@@ -587,6 +606,85 @@ pub unsafe fn rotate_rows<S: Simd>(c: &Call, n_tok: usize, dst: *mut u8, x: &mut
     }
 }
 
+/// Key tiles of a two-pass decode segment (`run_item`'s `two_pass`): 512 keys, whose K and V
+/// rows (3 KV heads of bf16 rows of 64: 384 KiB) stay in L2 from pass 1 to pass 2. A whole
+/// 8 x 16K item in one segment ran 1.3x the one-pass time (V read from memory twice).
+const TWO_SEG: usize = 32;
+
+/// Pass 2 of a two-pass decode segment of `n` kept tiles (`tp`: their scores, `stride` tiles
+/// apart per KV head, V row addresses, row masks and real keys) for `heads` KV heads of `hrows`
+/// rows (`g` per token), head dim `d`: per row the segment's max, the running max, sum and
+/// accumulator rescaled once if it rose (an online softmax by segments), then per tile `exp`
+/// against it, P in bf16 pairs (`pb`, `hrows * W / 2` dwords) and P.V on V read in place.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn two_pass_flush<S: Simd>(
+    tp: (*const f32, *const [usize; W], *const ([u16; 4], usize)),
+    n: usize,
+    stride: usize,
+    (heads, hrows, g, d): (usize, usize, usize, usize),
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+    pb: *mut u32,
+) {
+    let (tp_s, tp_v, tp_tiles) = tp;
+    let tiles = std::slice::from_raw_parts(tp_tiles, n);
+    for hh in 0..heads {
+        let hq0 = hh * hrows;
+        let sh = tp_s.add(hh * stride * hrows * W);
+        let acch = acc.as_mut_ptr().add(hq0 * d);
+        let mut neg_m = [S::splat(0.0); 4];
+        let mut rsum = [S::splat(0.0); 4];
+        for r in 0..hrows {
+            let mut vm = S::splat(f32::NEG_INFINITY);
+            for t in 0..n {
+                vm = vm.max(S::load(sh.add((t * hrows + r) * W)));
+            }
+            let (m_old, m_new) = (m[hq0 + r], m[hq0 + r].max(vm.hmax()));
+            if m_new > m_old && m_old != f32::NEG_INFINITY {
+                let alpha = (m_old - m_new).exp();
+                l[hq0 + r] *= alpha;
+                let a = S::splat(alpha);
+                for cc in (0..d).step_by(W) {
+                    let pa = acch.add(r * d + cc);
+                    S::load(pa).mul(a).store(pa);
+                }
+            }
+            m[hq0 + r] = m_new;
+            // a row that has seen no key keeps m = -inf, l = 0 and a zero accumulator
+            neg_m[r] = S::splat(if m_new == f32::NEG_INFINITY {
+                0.0
+            } else {
+                -m_new
+            });
+        }
+        for (t, &(mk, nk)) in tiles.iter().enumerate() {
+            for r in 0..hrows {
+                let s = S::load(sh.add((t * hrows + r) * W));
+                let mut e = s.add(neg_m[r]).exp_softmax();
+                let rm = mk[r / g];
+                if rm != u16::MAX {
+                    e = e.select(rm, S::splat(0.0));
+                }
+                rsum[r] = rsum[r].add(e);
+                e.store_bf16_pairs(pb.add(r * (W / 2)));
+            }
+            let vrow = &*(tp_v.add(hh * stride + t) as *const [*const u8; W]);
+            let njp = nk.div_ceil(2);
+            match hrows {
+                1 => S::pv_pairs_direct::<1>(acch, pb, d, vrow, njp),
+                2 => S::pv_pairs_direct::<2>(acch, pb, d, vrow, njp),
+                3 => S::pv_pairs_direct::<3>(acch, pb, d, vrow, njp),
+                _ => S::pv_pairs_direct::<4>(acch, pb, d, vrow, njp),
+            }
+        }
+        for r in 0..hrows {
+            l[hq0 + r] += rsum[r].hsum();
+        }
+    }
+}
+
 /// Attention of work item `item` for KV heads `heads.0 .. heads.1` (one task); with all heads
 /// the item streams through its blocks once (a token's heads are adjacent in the cache).
 /// `scratch` holds `scratch_len(rows, d)` floats, `rows` = the item's query rows of those heads.
@@ -697,6 +795,44 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let fp8_pre = (2f32).powi(FP8_PRE);
     let fp8_post = (2f32).powi(fp8_bias(F) - FP8_PRE);
     let raw_k = direct && (F == 4 || F == 5);
+    // bf16 decode off AMX (up to 4 rows per KV head, bf16 cache): two passes over the item's
+    // keys, as `dec_amx.rs` on tiles: pass 1 keeps every tile's scores and V row addresses,
+    // pass 2 takes each row's max once, then exp, P in bf16 pairs and P.V per tile. No
+    // horizontal max, sum or scalar `exp` per tile and no rescaling of the accumulator (the
+    // online softmax's per-tile cost; flash-decoding's split of scores and normalisation).
+    let two_pass = S::DPBF16 && F == 1 && c.two_pass && !cols && dpbf16 && hrows <= 4;
+    let two_tiles = if two_pass {
+        ((key_hi - key_lo) as usize).div_ceil(W).min(TWO_SEG)
+    } else {
+        0
+    };
+    let (tp_s, tp_v, tp_tiles) = if two_pass {
+        TWO.with(|cell| {
+            let mut b = cell.borrow_mut();
+            let heads = h1 - h0;
+            if b.s.len() < heads * two_tiles * hrows {
+                b.s.resize(heads * two_tiles * hrows, Align64([0; 16]));
+            }
+            if b.v.len() < heads * two_tiles {
+                b.v.resize(heads * two_tiles, [0; W]);
+            }
+            if b.tiles.len() < two_tiles {
+                b.tiles.resize(two_tiles, ([0; 4], 0));
+            }
+            (
+                b.s.as_mut_ptr() as *mut f32,
+                b.v.as_mut_ptr(),
+                b.tiles.as_mut_ptr(),
+            )
+        })
+    } else {
+        (
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    };
+    let mut two_n = 0; // tiles kept so far
     let nblk = if cols { hrows.div_ceil(W) } else { 0 };
     let prow = (h1 - h0) * nblk * W;
     let (acc_t, rest) = rest.split_at_mut(prow * d); // [head][block][d][16]
@@ -1156,6 +1292,32 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     pf_key = pf_end;
                 }
             }
+            if two_pass {
+                // pass 1: the tile's scores as the softmax will take them, masked keys -inf
+                let e = (hh - h0) * two_tiles + two_n;
+                let sd = tp_s.add(e * hrows * W);
+                for r in 0..hrows {
+                    let mk = masks[r / g];
+                    let mut s = S::load(p.as_ptr().add(r * W));
+                    if mk != 0 && c.soft_cap > 0.0 {
+                        s = simd::tanh(s.mul(S::splat(1.0 / c.soft_cap))).mul(S::splat(c.soft_cap));
+                    }
+                    if mk != 0 && !c.alibi.is_null() {
+                        let slope = *c.alibi.add(hh * g + r % g);
+                        let qpos = (first_pos + (r / g) as i64) as f32;
+                        s = keys.add(S::splat(-qpos)).fma(S::splat(slope), s);
+                    }
+                    if mk != u16::MAX {
+                        s = s.select(mk, S::splat(f32::NEG_INFINITY));
+                    }
+                    s.store(sd.add(r * W));
+                }
+                let vd = &mut *tp_v.add(e);
+                for (dst, src) in vd.iter_mut().zip(vptr.iter()) {
+                    *dst = *src as usize;
+                }
+                continue;
+            }
             // Online softmax of the visible rows.
             let ks = S::load(kscale.as_ptr());
             let vsc = S::load(vscale.as_ptr());
@@ -1314,44 +1476,30 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 r += 4;
             }
         }
+        if two_pass {
+            let mut mk = [0u16; 4];
+            mk[..ntok].copy_from_slice(&masks[..ntok]);
+            *tp_tiles.add(two_n) = (mk, nk);
+            two_n += 1;
+            if two_n == two_tiles {
+                let tp = (
+                    tp_s as *const f32,
+                    tp_v as *const [usize; W],
+                    tp_tiles as *const _,
+                );
+                two_pass_flush::<S>(tp, two_n, two_tiles, (h1 - h0, hrows, g, d), m, l, acc, pb);
+                two_n = 0;
+            }
+        }
         k0 += W as i64;
     }
-    #[cfg(target_arch = "x86_64")]
-    if seg {
-        let tmask = std::slice::from_raw_parts(seg_tmask, nt);
-        for hh in h0..h1 {
-            let vth = seg_vt.add((hh - h0) * seg_vt_head);
-            if nt % 2 == 1 {
-                // the last chunk's missing second tile: V^T zero (0 x V must stay finite)
-                for cc in 0..d {
-                    std::ptr::write_bytes(vth.add(nt / 2 * d * W + cc * W + 8), 0, 8);
-                }
-            }
-            let sg = crate::cols::Seg {
-                kb: seg_kb.add((hh - h0) * nt * W * d),
-                vt: vth,
-                tmask,
-                key_lo,
-                first_pos,
-                g,
-                hrows,
-                window: c.window,
-                qs: c.scale * kscale_of(hh),
-                soft_cap: c.soft_cap,
-            };
-            let at = (hh - h0) * nblk * W;
-            crate::cols::head_seg_d(
-                d,
-                &sg,
-                nblk,
-                q_t.add(at * d / 2),
-                acc_t.as_mut_ptr().add(at * d),
-                m_t.as_mut_ptr().add(at),
-                l_t.as_mut_ptr().add(at),
-                seg_s,
-                seg_p,
-            );
-        }
+    if two_pass && two_n > 0 {
+        let tp = (
+            tp_s as *const f32,
+            tp_v as *const [usize; W],
+            tp_tiles as *const _,
+        );
+        two_pass_flush::<S>(tp, two_n, two_tiles, (h1 - h0, hrows, g, d), m, l, acc, pb);
     }
     #[cfg(target_arch = "x86_64")]
     if amx {

@@ -321,6 +321,10 @@ impl Simd for Avx2 {
         )
     }
     #[inline(always)]
+    unsafe fn max(self, o: Self) -> Self {
+        Avx2(_mm256_max_ps(self.0, o.0), _mm256_max_ps(self.1, o.1))
+    }
+    #[inline(always)]
     unsafe fn hmax(self) -> f32 {
         max8(_mm256_max_ps(self.0, self.1))
     }

@@ -78,6 +78,9 @@ pub const ISA_NO_SEG: u8 = 5;
 /// The best, with bf16 decode items on the AVX-512 tile loop instead of AMX (`dec_amx.rs`; for
 /// A/B runs).
 pub const ISA_NO_DEC: u8 = 6;
+/// The best, with bf16 decode items off AMX on the one-pass online softmax of the tile loop
+/// instead of two passes (`attend::run_item`'s `two_pass`; for A/B runs).
+pub const ISA_ONE_PASS: u8 = 7;
 
 /// Whether this CPU has AVX2, FMA and F16C (the `avx2::Avx2` instance).
 pub fn has_avx2() -> bool {
@@ -96,7 +99,7 @@ pub fn has_avx2() -> bool {
 fn pick_isa(isa: u8) -> (bool, bool) {
     let avx512 = matches!(
         isa,
-        ISA_BEST | ISA_NO_VNNI | ISA_NO_AMX | ISA_NO_SEG | ISA_NO_DEC
+        ISA_BEST | ISA_NO_VNNI | ISA_NO_AMX | ISA_NO_SEG | ISA_NO_DEC | ISA_ONE_PASS
     ) && has_avx512();
     (avx512, !avx512 && isa != ISA_PORTABLE && has_avx2())
 }
@@ -313,24 +316,22 @@ pub unsafe fn run(
     };
     // AMX tiles for the transposed prefill path where the CPU and OS have them (`amx.rs`)
     #[cfg(target_arch = "x86_64")]
-    let amx = matches!(isa, ISA_BEST | ISA_NO_VNNI | ISA_NO_SEG | ISA_NO_DEC)
-        && has_avx512()
+    let amx = matches!(
+        isa,
+        ISA_BEST | ISA_NO_VNNI | ISA_NO_SEG | ISA_NO_DEC | ISA_ONE_PASS
+    ) && has_avx512()
         && use_dpbf16()
         && amx::available();
     #[cfg(not(target_arch = "x86_64"))]
     let amx = false;
-    let ca;
-    let c = if amx {
-        ca = Call {
-            amx,
-            seg: isa != ISA_NO_SEG,
-            dec: isa != ISA_NO_DEC,
-            ..*c
-        };
-        &ca
-    } else {
-        c
+    let ca = Call {
+        amx,
+        seg: amx && isa != ISA_NO_SEG,
+        dec: amx && isa != ISA_NO_DEC,
+        two_pass: isa != ISA_ONE_PASS,
+        ..*c
     };
+    let c = &ca;
     let res = (|| -> Result<(), ()> {
         let f = item_fn(c.fmt, isa);
         let hk = c.num_kv_heads;

@@ -129,6 +129,7 @@ fn paged_attention(
         amx: false,
         seg: false,
         dec: false,
+        two_pass: false,
     };
     let res = py.detach(|| unsafe {
         crate::run(
@@ -197,9 +198,10 @@ fn store_kv(
 
 /// `isa` checked: 0 the best instance, 1 portable, 2 at most AVX2, 3 the best without the VNNI
 /// int8 / VBMI fp8 decode, 4 the best without AMX tiles, 5 the best without the prefill's
-/// key segments, 6 the best without the AMX decode (`crate::ISA_*`).
+/// key segments, 6 the best without the AMX decode, 7 the best with bf16 decode items in one
+/// pass (`crate::ISA_*`).
 fn isa_of(isa: u8) -> PyResult<u8> {
-    if isa > crate::ISA_NO_DEC {
+    if isa > crate::ISA_ONE_PASS {
         return Err(PyValueError::new_err(format!(
             "unknown instruction-set code {isa}"
         )));

@@ -41,6 +41,8 @@ pub trait Simd: Copy {
     unsafe fn store_bf16(self, p: *mut u16);
     /// `self * b + c`
     unsafe fn fma(self, b: Self, c: Self) -> Self;
+    /// Lane-wise maximum (either operand where one lane is NaN: callers feed no NaN).
+    unsafe fn max(self, o: Self) -> Self;
     unsafe fn hmax(self) -> f32;
     unsafe fn hsum(self) -> f32;
     /// e^x lane-wise (x = -inf or below -87 gives a tiny value or 0; callers mask).
@@ -357,6 +359,10 @@ impl Simd for Portable {
         Portable(o)
     }
     #[inline(always)]
+    unsafe fn max(self, o: Self) -> Self {
+        self.zip(o, f32::max)
+    }
+    #[inline(always)]
     unsafe fn hmax(self) -> f32 {
         self.0.iter().copied().fold(f32::NEG_INFINITY, f32::max)
     }
@@ -627,6 +633,10 @@ mod avx {
         #[inline(always)]
         unsafe fn fma(self, b: Self, c: Self) -> Self {
             Avx512(_mm512_fmadd_ps(self.0, b.0, c.0))
+        }
+        #[inline(always)]
+        unsafe fn max(self, o: Self) -> Self {
+            Avx512(_mm512_max_ps(self.0, o.0))
         }
         #[inline(always)]
         unsafe fn hmax(self) -> f32 {
