@@ -795,11 +795,12 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     let fp8_pre = (2f32).powi(FP8_PRE);
     let fp8_post = (2f32).powi(fp8_bias(F) - FP8_PRE);
     let raw_k = direct && (F == 4 || F == 5);
-    // bf16 decode off AMX (up to 4 rows per KV head, bf16 cache): two passes over the item's
-    // keys, as `dec_amx.rs` on tiles: pass 1 keeps every tile's scores and V row addresses,
-    // pass 2 takes each row's max once, then exp, P in bf16 pairs and P.V per tile. No
-    // horizontal max, sum or scalar `exp` per tile and no rescaling of the accumulator (the
-    // online softmax's per-tile cost; flash-decoding's split of scores and normalisation).
+    // bf16 decode off AMX (up to 4 rows per KV head, bf16 cache): two passes per segment of
+    // `TWO_SEG` tiles, as `dec_amx.rs` on tiles: pass 1 keeps every tile's scores and V row
+    // addresses, pass 2 (`two_pass_flush`) takes each row's max and rescale once per segment,
+    // then exp, P in bf16 pairs and P.V per tile. No horizontal max, sum or scalar `exp` per
+    // tile (the online softmax's per-tile cost; flash-decoding's split of scores and
+    // normalisation).
     let two_pass = S::DPBF16 && F == 1 && c.two_pass && !cols && dpbf16 && hrows <= 4;
     let two_tiles = if two_pass {
         ((key_hi - key_lo) as usize).div_ceil(W).min(TWO_SEG)
