@@ -833,6 +833,11 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             std::ptr::null_mut(),
         )
     };
+    let tp = (
+        tp_s as *const f32,
+        tp_v as *const [usize; W],
+        tp_tiles as *const _,
+    );
     let mut two_n = 0; // tiles kept so far
     let nblk = if cols { hrows.div_ceil(W) } else { 0 };
     let prow = (h1 - h0) * nblk * W;
@@ -1483,11 +1488,6 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
             *tp_tiles.add(two_n) = (mk, nk);
             two_n += 1;
             if two_n == two_tiles {
-                let tp = (
-                    tp_s as *const f32,
-                    tp_v as *const [usize; W],
-                    tp_tiles as *const _,
-                );
                 two_pass_flush::<S>(tp, two_n, two_tiles, (h1 - h0, hrows, g, d), m, l, acc, pb);
                 two_n = 0;
             }
@@ -1495,12 +1495,44 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
         k0 += W as i64;
     }
     if two_pass && two_n > 0 {
-        let tp = (
-            tp_s as *const f32,
-            tp_v as *const [usize; W],
-            tp_tiles as *const _,
-        );
         two_pass_flush::<S>(tp, two_n, two_tiles, (h1 - h0, hrows, g, d), m, l, acc, pb);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if seg {
+        let tmask = std::slice::from_raw_parts(seg_tmask, nt);
+        for hh in h0..h1 {
+            let vth = seg_vt.add((hh - h0) * seg_vt_head);
+            if nt % 2 == 1 {
+                // the last chunk's missing second tile: V^T zero (0 x V must stay finite)
+                for cc in 0..d {
+                    std::ptr::write_bytes(vth.add(nt / 2 * d * W + cc * W + 8), 0, 8);
+                }
+            }
+            let sg = crate::cols::Seg {
+                kb: seg_kb.add((hh - h0) * nt * W * d),
+                vt: vth,
+                tmask,
+                key_lo,
+                first_pos,
+                g,
+                hrows,
+                window: c.window,
+                qs: c.scale * kscale_of(hh),
+                soft_cap: c.soft_cap,
+            };
+            let at = (hh - h0) * nblk * W;
+            crate::cols::head_seg_d(
+                d,
+                &sg,
+                nblk,
+                q_t.add(at * d / 2),
+                acc_t.as_mut_ptr().add(at * d),
+                m_t.as_mut_ptr().add(at),
+                l_t.as_mut_ptr().add(at),
+                seg_s,
+                seg_p,
+            );
+        }
     }
     #[cfg(target_arch = "x86_64")]
     if amx {
