@@ -8,8 +8,10 @@
 //!
 //! Needs AVX-512 BF16; `attend::run_item` takes this path for bf16 queries over a bf16 cache (or
 //! an int8 / fp8 one converted exactly to bf16 first) when a KV head has >= `COLS_MIN_ROWS` rows.
-//! Costs per block and tile: 2 x 16 x d / 2 bf16-pair dot products, 17 vector `exp`, no
-//! transposes (the queries are laid out once per item, the accumulator transposed back once).
+//! Costs per block and tile: 2 x 16 x d / 2 bf16-pair dot products, 17 vector `exp` (for plain
+//! bf16 scores `softmax_plain`'s `exp2_p`: the scale folded into the FMA that subtracts the max,
+//! 8 vector ops an exp), no transposes (the queries are laid out once per item, the accumulator
+//! transposed back once).
 //! P is rounded to bf16 before P.V, as on the row path and in flash attention.
 //! `block_amx_d`: the same block with both products on AMX tiles (`amx.rs`), where granted.
 //! `head_seg` (AMX, bf16 caches without ALiBi): the loops swapped, per pair of blocks over the
@@ -74,6 +76,30 @@ unsafe fn exp_p(x: __m512) -> __m512 {
     }
     _mm512_scalef_ps(p, n)
 }
+
+/// 2^x for `x` in scaled softmax units (finite or NaN; a NaN lane comes out NaN and is masked
+/// by the caller): n = round(x), 2^(x - n) by a degree-4 polynomial fitted for relative error
+/// on [-1/2, 1/2] (2.7e-6 in fp32 arithmetic, as `exp_p`'s degree-5 Taylor), 2^n by `scalef`.
+#[inline(always)]
+unsafe fn exp2_p(x: __m512) -> __m512 {
+    let n = _mm512_roundscale_ps::<0x08>(x);
+    let f = _mm512_sub_ps(x, n);
+    let mut p = _mm512_set1_ps(EXP2_POLY[4]);
+    for c in [EXP2_POLY[3], EXP2_POLY[2], EXP2_POLY[1], EXP2_POLY[0]] {
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    }
+    _mm512_scalef_ps(p, n)
+}
+
+/// `exp2_p`'s coefficients, constant term first: a weighted least-squares fit on Chebyshev
+/// nodes iterated towards the minimax relative error.
+const EXP2_POLY: [f32; 5] = [
+    0.999_999_3,
+    0.693_121_8,
+    0.240_247_44,
+    0.055_917_86,
+    0.009_570_1,
+];
 
 /// Sixteen fp32 lanes as bf16 (round to nearest even) in the low halves of 16 dwords.
 #[inline(always)]
@@ -331,6 +357,13 @@ unsafe fn softmax(
     m: *mut f32,
     l: *mut f32,
 ) -> ([__m512i; W / 2], __m512, bool) {
+    // Plain scores (no int8 scales, soft cap or ALiBi: the bf16 prefill): the scale and log2 e
+    // go into the one FMA that subtracts the max, and the max is taken on the raw scores
+    // (m stays in scaled units: the scale is positive), then `exp2_p`. Per key and row 8
+    // vector ops instead of 12 (FlashAttention-2's exp2 with the scale folded in).
+    if t.kscale.is_none() && t.soft_cap <= 0.0 && t.alibi.is_none() && t.qs > 0.0 {
+        return softmax_plain(t, s, m, l);
+    }
     let qs = _mm512_set1_ps(t.qs);
     for j in 0..W {
         s[j] = _mm512_mul_ps(s[j], qs);
@@ -395,6 +428,62 @@ unsafe fn softmax(
             e[j] = _mm512_mul_ps(e[j], _mm512_set1_ps(vs[j]));
         }
     }
+    for jp in 0..W / 2 {
+        pp[jp] = _mm512_or_si512(
+            bf16_low(e[2 * jp]),
+            _mm512_slli_epi32::<16>(bf16_low(e[2 * jp + 1])),
+        );
+    }
+    (pp, alpha, rescale)
+}
+
+/// `softmax` of raw scores `s` (not yet scaled) for a tile without int8 scales, soft cap or
+/// ALiBi, and a positive scale. Masked keys are -inf in the max and zero in P (whatever NaN the
+/// exp made of them); the rescale factor's exp is clamped as `exp_p`'s (a row's first key).
+#[inline(always)]
+unsafe fn softmax_plain(
+    t: &Tile,
+    mut s: [__m512; W],
+    m: *mut f32,
+    l: *mut f32,
+) -> ([__m512i; W / 2], __m512, bool) {
+    if let Some(km) = t.kmask {
+        for j in 0..W {
+            s[j] = _mm512_mask_blend_ps(km[j], _mm512_set1_ps(f32::NEG_INFINITY), s[j]);
+        }
+    }
+    let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
+    let m_old = _mm512_loadu_ps(m);
+    let raw = tree(s, |a, b| _mm512_max_ps(a, b));
+    let m_new = _mm512_max_ps(m_old, _mm512_mul_ps(raw, _mm512_set1_ps(t.qs)));
+    let c = _mm512_set1_ps(t.qs * std::f32::consts::LOG2_E);
+    let mc = _mm512_mul_ps(m_new, log2e);
+    let lo = _mm512_set1_ps(simd::EXP_RANGE.0 * std::f32::consts::LOG2_E);
+    let alpha = exp2_p(_mm512_max_ps(
+        _mm512_mul_ps(_mm512_sub_ps(m_old, m_new), log2e),
+        lo,
+    ));
+    let mut e = [_mm512_setzero_ps(); W];
+    for j in 0..W {
+        e[j] = exp2_p(_mm512_fmsub_ps(s[j], c, mc));
+    }
+    if let Some(km) = t.kmask {
+        for j in 0..W {
+            e[j] = _mm512_maskz_mov_ps(km[j], e[j]);
+        }
+    }
+    let sum = tree(e, |a, b| _mm512_add_ps(a, b));
+    let seen = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(m_new, _mm512_set1_ps(f32::NEG_INFINITY));
+    let alpha = _mm512_maskz_mov_ps(seen, alpha);
+    let alpha = _mm512_mask_blend_ps(
+        _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(m_old, m_new),
+        alpha,
+        _mm512_set1_ps(1.0),
+    );
+    _mm512_storeu_ps(m, m_new);
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
+    let rescale = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(alpha, _mm512_set1_ps(1.0)) != 0;
+    let mut pp = [_mm512_setzero_si512(); W / 2];
     for jp in 0..W / 2 {
         pp[jp] = _mm512_or_si512(
             bf16_low(e[2 * jp]),
