@@ -9,7 +9,7 @@
 //! Needs AVX-512 BF16; `attend::run_item` takes this path for bf16 queries over a bf16 cache (or
 //! an int8 / fp8 one converted exactly to bf16 first) when a KV head has >= `COLS_MIN_ROWS` rows.
 //! Costs per block and tile: 2 x 16 x d / 2 bf16-pair dot products, 17 vector `exp` (for plain
-//! bf16 scores `softmax_plain`'s `exp2_p`: the scale folded into the FMA that subtracts the max,
+//! bf16 scores `softmax`'s `exp2_p`: the scale folded into the FMA that subtracts the max,
 //! 8 vector ops an exp), no transposes (the queries are laid out once per item, the accumulator
 //! transposed back once).
 //! P is rounded to bf16 before P.V, as on the row path and in flash attention.
@@ -357,16 +357,17 @@ unsafe fn softmax(
     m: *mut f32,
     l: *mut f32,
 ) -> ([__m512i; W / 2], __m512, bool) {
-    // Plain scores (no int8 scales, soft cap or ALiBi: the bf16 prefill): the scale and log2 e
-    // go into the one FMA that subtracts the max, and the max is taken on the raw scores
-    // (m stays in scaled units: the scale is positive), then `exp2_p`. Per key and row 8
-    // vector ops instead of 12 (FlashAttention-2's exp2 with the scale folded in).
-    if t.kscale.is_none() && t.soft_cap <= 0.0 && t.alibi.is_none() && t.qs > 0.0 {
-        return softmax_plain(t, s, m, l);
-    }
+    // Plain scores (no int8 scales, soft cap or ALiBi: the bf16 prefill): the max is taken on
+    // the raw scores (m stays in scaled units: the scale is positive), and the scale and
+    // log2 e go into the one FMA that subtracts it, then `exp2_p`: 8 vector ops per key and
+    // row instead of 12 (FlashAttention-2's exp2 with the scale folded in). Masked keys are
+    // -inf in the max and zeroed in P whatever NaN their exp made.
+    let plain = t.kscale.is_none() && t.soft_cap <= 0.0 && t.alibi.is_none() && t.qs > 0.0;
     let qs = _mm512_set1_ps(t.qs);
-    for j in 0..W {
-        s[j] = _mm512_mul_ps(s[j], qs);
+    if !plain {
+        for j in 0..W {
+            s[j] = _mm512_mul_ps(s[j], qs);
+        }
     }
     if let Some(ks) = t.kscale {
         for j in 0..W {
@@ -396,14 +397,27 @@ unsafe fn softmax(
     }
     // Online softmax, vertical: per row (lane) over the tile's keys.
     let m_old = _mm512_loadu_ps(m);
-    let m_new = _mm512_max_ps(m_old, tree(s, |a, b| _mm512_max_ps(a, b)));
+    let s_max = tree(s, |a, b| _mm512_max_ps(a, b));
+    let mut e = [_mm512_setzero_ps(); W];
     // A row that has seen no key yet (m = -inf) gets alpha ~ 0 from the clamped exp; its
     // accumulator and sum are zero, so nothing is lost.
-    let alpha = exp_p(_mm512_sub_ps(m_old, m_new));
-    let mut e = [_mm512_setzero_ps(); W];
-    for j in 0..W {
-        e[j] = exp_p(_mm512_sub_ps(s[j], m_new));
-    }
+    let (m_new, alpha) = if plain {
+        let m_new = _mm512_max_ps(m_old, _mm512_mul_ps(s_max, qs));
+        let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
+        let (c, mc) = (_mm512_mul_ps(qs, log2e), _mm512_mul_ps(m_new, log2e));
+        for j in 0..W {
+            e[j] = exp2_p(_mm512_fmsub_ps(s[j], c, mc));
+        }
+        let lo = _mm512_set1_ps(simd::EXP_RANGE.0 * std::f32::consts::LOG2_E);
+        let d = _mm512_mul_ps(_mm512_sub_ps(m_old, m_new), log2e);
+        (m_new, exp2_p(_mm512_max_ps(d, lo)))
+    } else {
+        let m_new = _mm512_max_ps(m_old, s_max);
+        for j in 0..W {
+            e[j] = exp_p(_mm512_sub_ps(s[j], m_new));
+        }
+        (m_new, exp_p(_mm512_sub_ps(m_old, m_new)))
+    };
     if let Some(km) = t.kmask {
         for j in 0..W {
             e[j] = _mm512_maskz_mov_ps(km[j], e[j]);
@@ -428,62 +442,6 @@ unsafe fn softmax(
             e[j] = _mm512_mul_ps(e[j], _mm512_set1_ps(vs[j]));
         }
     }
-    for jp in 0..W / 2 {
-        pp[jp] = _mm512_or_si512(
-            bf16_low(e[2 * jp]),
-            _mm512_slli_epi32::<16>(bf16_low(e[2 * jp + 1])),
-        );
-    }
-    (pp, alpha, rescale)
-}
-
-/// `softmax` of raw scores `s` (not yet scaled) for a tile without int8 scales, soft cap or
-/// ALiBi, and a positive scale. Masked keys are -inf in the max and zero in P (whatever NaN the
-/// exp made of them); the rescale factor's exp is clamped as `exp_p`'s (a row's first key).
-#[inline(always)]
-unsafe fn softmax_plain(
-    t: &Tile,
-    mut s: [__m512; W],
-    m: *mut f32,
-    l: *mut f32,
-) -> ([__m512i; W / 2], __m512, bool) {
-    if let Some(km) = t.kmask {
-        for j in 0..W {
-            s[j] = _mm512_mask_blend_ps(km[j], _mm512_set1_ps(f32::NEG_INFINITY), s[j]);
-        }
-    }
-    let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
-    let m_old = _mm512_loadu_ps(m);
-    let raw = tree(s, |a, b| _mm512_max_ps(a, b));
-    let m_new = _mm512_max_ps(m_old, _mm512_mul_ps(raw, _mm512_set1_ps(t.qs)));
-    let c = _mm512_set1_ps(t.qs * std::f32::consts::LOG2_E);
-    let mc = _mm512_mul_ps(m_new, log2e);
-    let lo = _mm512_set1_ps(simd::EXP_RANGE.0 * std::f32::consts::LOG2_E);
-    let alpha = exp2_p(_mm512_max_ps(
-        _mm512_mul_ps(_mm512_sub_ps(m_old, m_new), log2e),
-        lo,
-    ));
-    let mut e = [_mm512_setzero_ps(); W];
-    for j in 0..W {
-        e[j] = exp2_p(_mm512_fmsub_ps(s[j], c, mc));
-    }
-    if let Some(km) = t.kmask {
-        for j in 0..W {
-            e[j] = _mm512_maskz_mov_ps(km[j], e[j]);
-        }
-    }
-    let sum = tree(e, |a, b| _mm512_add_ps(a, b));
-    let seen = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(m_new, _mm512_set1_ps(f32::NEG_INFINITY));
-    let alpha = _mm512_maskz_mov_ps(seen, alpha);
-    let alpha = _mm512_mask_blend_ps(
-        _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(m_old, m_new),
-        alpha,
-        _mm512_set1_ps(1.0),
-    );
-    _mm512_storeu_ps(m, m_new);
-    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
-    let rescale = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(alpha, _mm512_set1_ps(1.0)) != 0;
-    let mut pp = [_mm512_setzero_si512(); W / 2];
     for jp in 0..W / 2 {
         pp[jp] = _mm512_or_si512(
             bf16_low(e[2 * jp]),
