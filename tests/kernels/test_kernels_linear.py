@@ -205,6 +205,29 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(gen, mode):
     assert torch.equal(linear_cpu.linear(x.T.contiguous().T, packed), full)
 
 
+@pytest.mark.parametrize("glu", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("mode", ["omp", "single"])
+def test_many_rows_in_row_blocks_keep_each_rows_bits(gen, mode, glu):
+    """A call of many rows runs in blocks of rows over pairs of panels (``linear.rs``'s
+    ``row_blocks``; an odd panel count leaves a last task of one panel): every block size and
+    thread count gives each row the bits it gets in a call of 8 rows (one block, one panel at a
+    time), and the float64 reference holds (AMX tiles sum in another order: the reference
+    only)."""
+    k, n = 1536, 7 * 32 - 5  # ragged last panel; 7 panels (gated: 7 gate / up pairs)
+    w = (torch.randn(2 * n if glu else n, k, generator=gen) * k**-0.5).bfloat16()
+    packed = linear_cpu.pack_linear(w, glu=glu)
+    for rows in (9, 25, 47, 48, 131, 333):
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        with _options(mode=mode):
+            full = linear_cpu.linear(x, packed)
+        if not glu:
+            _check(full, x, w, None)
+        if linear_cpu.amx_path():
+            continue
+        eights = torch.cat([linear_cpu.linear(x[i : i + 8], packed) for i in range(0, rows, 8)])
+        assert torch.equal(full, eights), rows
+
+
 def test_smollm2_shapes_against_f_linear(gen):
     """SmolLM2's projections: the native result within one bf16 step of oneDNN's (``F.linear``),
     most outputs bit for bit."""

@@ -409,7 +409,7 @@ pub unsafe fn run_ops(c: &ops::Rows, threads: usize, mode: pool::Mode, isa: u8) 
 }
 
 /// A linear over all its panels: the blocked AVX2 GEMM where `linear::takes_tall` (with `tall`
-/// allowed), else tasks of `c.panels_per_task()` panels.
+/// allowed), else tasks of `c.panels_per_task()` panels over `c.row_blocks()` blocks of rows.
 ///
 /// # Safety
 /// The pointers and strides of `c` must describe live memory of the stated shapes; `out` must
@@ -428,12 +428,19 @@ pub unsafe fn run_linear(
             linear::tall::run_task(c, t)
         });
     }
-    let per = c.panels_per_task();
+    // tasks: runs of panels, each over a block of rows (panel-major: a task's neighbours share
+    // its panels, so only a change of panels asks for the next ones ahead)
+    let paired = linear::paired(c, portable);
+    let per = c.panels_per_task(paired);
     let panels = c.panels();
-    let range = |t: usize| (t * per, ((t + 1) * per).min(panels));
-    pool::for_each_ahead(panels.div_ceil(per), threads, mode, &|t, next| unsafe {
+    let (blocks, block_rows) = c.row_blocks(threads.max(1), paired);
+    let range = |t: usize| (t / blocks * per, ((t / blocks + 1) * per).min(panels));
+    let tasks = panels.div_ceil(per) * blocks;
+    pool::for_each_ahead(tasks, threads, mode, &|t, next| unsafe {
         let (lo, hi) = range(t);
-        linear::run_panels(c, lo, hi, next.map(range), portable)
+        let rows = c.rows_from(t % blocks * block_rows, block_rows);
+        let next = next.map(range).filter(|&r| r != (lo, hi));
+        linear::run_panels(&rows, lo, hi, next, portable)
     })
 }
 

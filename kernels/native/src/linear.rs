@@ -50,6 +50,7 @@ pub const MR2: usize = 6;
 pub const TASK_BYTES: usize = 96 * 1024;
 
 /// One call: `out[m][n] = sum_k x[m][k] * W[n][k] (+ bias[n])` for `m < rows`, `n < n_out`.
+#[derive(Clone, Copy)]
 pub struct Linear {
     pub x: *const u16,
     pub x_stride: usize,
@@ -75,16 +76,57 @@ impl Linear {
         self.n_out.div_ceil(NB) * if self.glu { 2 } else { 1 }
     }
 
-    /// Panels per task (whole gate / up pairs when gated).
-    pub fn panels_per_task(&self) -> usize {
+    /// Panels per task: whole gate / up pairs when gated, and at least two above `MR` rows, so
+    /// that every chunk takes the two-panel kernel (24 accumulators, 4 weight loads and 6
+    /// broadcasts per 24 dot products, against 2 and 8 per 16 on one panel). A 1,536-wide
+    /// weight (SmolLM2's down projection) was one panel a task, every chunk on one panel.
+    /// `paired`: the call runs on the AVX-512 BF16 panels (`avx512`), not AMX tiles or AVX2.
+    pub fn panels_per_task(&self, paired: bool) -> usize {
         let per = (TASK_BYTES / (self.k * NB * 2).max(1)).max(1);
-        if self.glu {
+        if self.glu || (paired && self.rows > MR) {
             (per & !1).max(2)
         } else {
             per
         }
     }
+
+    /// Row blocks of a call: `(blocks, rows per block)`. One block up to `MR` rows (a task
+    /// streams its panels once for all rows). Above it, blocks of about `BLOCK_ROWS` rows (a
+    /// multiple of `MR2`), and more (down to `2 * MR2` rows) until there are `TASKS_PER_THREAD`
+    /// tasks a thread, so two threads balance on a call of few panel tasks (SmolLM2's down
+    /// projection: 9 pairs). A block's rows and its panels stay in L2 (132 rows of a 1,536-wide
+    /// `x`: 396 KiB, two panels 192 KiB), where a prefill chunk's whole `x` (3 MiB at 1,024
+    /// rows) was read again from L3 for every pair of panels. The bits do not depend on the
+    /// blocks: each output is one chunk's sum over `k` in order.
+    pub fn row_blocks(&self, threads: usize, paired: bool) -> (usize, usize) {
+        if !paired || self.rows <= MR {
+            return (1, self.rows.max(1));
+        }
+        let tasks = self.panels().div_ceil(self.panels_per_task(paired));
+        let want = (TASKS_PER_THREAD * threads).div_ceil(tasks);
+        let most = (self.rows / (2 * MR2)).max(1); // blocks of at least 2 * MR2 rows
+        let blocks = self.rows.div_ceil(BLOCK_ROWS).max(want).min(most);
+        let per = self.rows.div_ceil(blocks).div_ceil(MR2) * MR2;
+        (self.rows.div_ceil(per), per)
+    }
+
+    /// Rows `m0 .. m0 + rows` of this call (clamped to its rows) as a call of its own.
+    pub fn rows_from(&self, m0: usize, rows: usize) -> Linear {
+        let m0 = m0.min(self.rows);
+        Linear {
+            // SAFETY: `m0 <= rows`, so both stay within (or one past) the call's buffers
+            x: unsafe { self.x.add(m0 * self.x_stride) },
+            out: unsafe { self.out.add(m0 * self.out_stride) },
+            rows: rows.min(self.rows - m0),
+            ..*self
+        }
+    }
 }
+
+/// Rows of a row block (about; `Linear::row_blocks`).
+pub const BLOCK_ROWS: usize = 128;
+/// Tasks per thread a call of many rows is cut into at least (`Linear::row_blocks`).
+pub const TASKS_PER_THREAD: usize = 8;
 
 /// `bf16(bf16(silu(g)) * u)` of bf16-rounded `g`, `u` (as `ops.rs`'s `SiluMul` rounds).
 #[inline(always)]
@@ -1030,6 +1072,20 @@ pub fn has_avx2_path() -> bool {
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
+        false
+    }
+}
+
+/// Whether `c` runs on the AVX-512 BF16 panels (`avx512::run_panels`): the fast path, not AMX
+/// tiles, not `portable`. Such a call of many rows is cut into pairs of panels and row blocks.
+pub fn paired(c: &Linear, portable: bool) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        !portable && has_fast_path() && !amx::takes(c)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (c, portable);
         false
     }
 }
