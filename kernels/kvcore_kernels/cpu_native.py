@@ -149,16 +149,36 @@ def fuse_heads_for(fmt: int, query_dtype: torch.dtype | None = None) -> bool:
     VBMI decode runs (bf16 queries, or ``query_dtype`` None): a block's heads are one contiguous
     run there, and the heads' tiles overlap (Zen 4, one thread, decode 8 x 4K to 8 x 16K and
     2 x 4K, two runs: int8 1.03-1.21x, fp8 1.03-1.19x faster warm; cold 1.02-1.16x and
-    0.92-1.13x). Not on AVX-512 over bf16 (0.87-1.02x cold) nor on its widening int8 / fp8
-    path (``novnni`` and fp32 queries: 8-17 % slower, Zen 4)."""
+    0.92-1.13x). On AVX-512 over bf16 where the two-pass decode runs (AVX-512 BF16, AMX's decode
+    off: ``_two_pass_decode``): a decode tile's bookkeeping (block-table reads, key addresses,
+    masks, prefetches) is shared by the heads, ~40 % of a tile there (Zen 4, 2026-12-06: decode
+    48 x 320 1.29x faster warm, 1.17x cold at one thread, 1.07-1.37x at two; 1 x 16K to 8 x 4K
+    1.07-1.19x; prefill unchanged, 0.98-1.13x). Not on AVX-512 over bf16 elsewhere (the tile
+    loop's one pass: 0.87-1.02x cold), over fp32 / fp16, nor on its widening int8 / fp8 path
+    (``novnni`` and fp32 queries: 8-17 % slower, Zen 4)."""
     if OPTIONS.fuse_heads is not None:
         return OPTIONS.fuse_heads
     avx512 = _isa() != ISA_CODES["portable"] and _isa() != ISA_CODES["avx2"] and _cpu_has_avx512()
+    if fmt == FMT_BF16 and avx512 and _two_pass_decode():
+        return True
     if fmt in (FMT_INT8, FMT_E4M3, FMT_E5M2):
         if not avx512:  # the AVX2 instance, or the portable one
             return _isa() != ISA_CODES["portable"] and _cpu_has_avx2()
         return _isa() in _BEST_ISAS and _cpu_has_vnni() and query_dtype in (None, torch.bfloat16)
     return not avx512 and fmt in (FMT_F32, FMT_BF16, FMT_F16)
+
+
+def _two_pass_decode() -> bool:
+    """Whether bf16 decode items take the two-pass decode (``attend.rs``'s ``two_pass``): the
+    best instance or ``novnni`` (not ``onepass``), AVX-512 BF16, and AMX's decode
+    (``dec_amx.rs``) off: no tiles granted, or ``noamx`` / ``nodec``."""
+    isa = _isa()
+    if isa not in (*_BEST_ISAS, ISA_CODES["novnni"]) or isa == ISA_CODES["onepass"]:
+        return False
+    f = _native.features() if _native is not None else None
+    if not (f and f[0] and f[1]):
+        return False
+    return not f[2] or isa in (ISA_CODES["noamx"], ISA_CODES["nodec"])
 
 
 @functools.cache

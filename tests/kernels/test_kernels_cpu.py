@@ -345,6 +345,9 @@ def test_cpu_backend_is_refused_for_cuda_tensors():
 
 
 def test_heads_fuse_by_default_off_avx512_for_wide_elements_and_on_vnni_for_bytes(monkeypatch):
+    """Defaults by path: the AVX2 path fuses every format; AVX-512 fuses bf16 where the
+    two-pass decode runs (AVX-512 BF16 and no AMX decode, not ``onepass``), int8 / fp8 where
+    its VNNI / VBMI decode runs, and nothing else."""
     opts = cpu_native.OPTIONS
     monkeypatch.setattr(opts, "fuse_heads", None)
     monkeypatch.setattr(opts, "isa", "avx2")
@@ -359,8 +362,20 @@ def test_heads_fuse_by_default_off_avx512_for_wide_elements_and_on_vnni_for_byte
     assert not cpu_native.fuse_heads_for(cpu_native.FMT_INT8)
     monkeypatch.setattr(opts, "portable", False)
     monkeypatch.setattr(opts, "isa", "auto")
-    avx512 = cpu_native.features()["avx512"]
+    feats = cpu_native.features()
+    avx512 = feats["avx512"]
+    two_pass = avx512 and feats["avx512_bf16"] and not feats["amx"]
+    assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16) == (not avx512 or two_pass)
+    assert not cpu_native.fuse_heads_for(cpu_native.FMT_F32) or not avx512
+    assert not cpu_native.fuse_heads_for(cpu_native.FMT_F16) or not avx512
+    # AMX's decode off: the two-pass decode wherever AVX-512 BF16 is; one pass: never
+    for isa in ("noamx", "nodec"):
+        monkeypatch.setattr(opts, "isa", isa)
+        want = not avx512 or bool(feats["avx512_bf16"])
+        assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16) == want
+    monkeypatch.setattr(opts, "isa", "onepass")
     assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16) == (not avx512)
+    monkeypatch.setattr(opts, "isa", "auto")
     # int8 / fp8 on AVX-512: fused where the VNNI / VBMI decode runs (bf16 queries), not on the
     # widening path; without AVX-512, the AVX2 path's rule above
     vnni = cpu_native.features()["avx512_vnni"] and cpu_native.features()["avx512_bf16"]
@@ -370,8 +385,9 @@ def test_heads_fuse_by_default_off_avx512_for_wide_elements_and_on_vnni_for_byte
         assert cpu_native.fuse_heads_for(fmt, torch.float32) == (not avx512 and avx2)
     monkeypatch.setattr(opts, "isa", "novnni")
     assert cpu_native.fuse_heads_for(cpu_native.FMT_INT8, torch.bfloat16) == (not avx512 and avx2)
-    # novnni keeps the AVX-512 path where the CPU has it; without AVX-512 it runs the AVX2 one
-    assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16) == (not avx512)
+    # novnni keeps the AVX-512 path where the CPU has it (and its two-pass bf16 decode);
+    # without AVX-512 it runs the AVX2 one
+    assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16) == (not avx512 or two_pass)
     monkeypatch.setattr(opts, "isa", "auto")
     monkeypatch.setattr(opts, "fuse_heads", False)  # KVCORE_NATIVE_FUSE_HEADS=0 wins
     assert not cpu_native.fuse_heads_for(cpu_native.FMT_BF16)
