@@ -34,7 +34,8 @@
 //! Invariants: `K` is even; `x` rows hold `K` bf16 (unit stride), `out` rows `N` bf16. Results
 //! are fp32 sums of bf16 products rounded once to bf16 (round to nearest even), like oneDNN's;
 //! the summation order differs from it, so bits may differ in the last place. Tasks are runs of
-//! panels claimed dynamically on the pool; nothing is allocated per call. Cost: `K * N * 2`
+//! panels (above `MR` rows on the AVX-512 path: pairs of panels over blocks of rows,
+//! `Linear::row_blocks`) claimed dynamically on the pool; nothing is allocated per call. Cost: `K * N * 2`
 //! bytes of weight read once per call, `M * N * K / 16` dot-product instructions.
 
 use crate::simd::{bf16_to_f32, f32_to_bf16};
