@@ -152,7 +152,7 @@ def fuse_heads_for(fmt: int, query_dtype: torch.dtype | None = None) -> bool:
     0.92-1.13x). On AVX-512 over bf16 where the two-pass decode runs (AVX-512 BF16, AMX's decode
     off: ``_two_pass_decode``): a decode tile's bookkeeping (block-table reads, key addresses,
     masks, prefetches) is shared by the heads, ~40 % of a tile there (Zen 4, 2026-12-06: decode
-    48 x 320 1.29x faster warm, 1.17x cold at one thread, 1.07-1.37x at two; 1 x 16K to 8 x 4K
+    48 x 320 1.29x faster warm, 1.13-1.26x cold at one thread, 1.07-1.37x at two; 1 x 16K to 8 x 4K
     1.07-1.19x; prefill unchanged, 0.98-1.13x). Not on AVX-512 over bf16 elsewhere (the tile
     loop's one pass: 0.87-1.02x cold), over fp32 / fp16, nor on its widening int8 / fp8 path
     (``novnni`` and fp32 queries: 8-17 % slower, Zen 4)."""
@@ -175,10 +175,16 @@ def _two_pass_decode() -> bool:
     isa = _isa()
     if isa not in (*_BEST_ISAS, ISA_CODES["novnni"]) or isa == ISA_CODES["onepass"]:
         return False
+    bf16_dot, amx = _cpu_bf16_dot_and_amx()
+    return bf16_dot and (not amx or isa in (ISA_CODES["noamx"], ISA_CODES["nodec"]))
+
+
+@functools.cache
+def _cpu_bf16_dot_and_amx() -> tuple[bool, bool]:
+    """(AVX-512 with BF16 dot products, AMX tiles granted), asked once: every layer's call
+    decides its tasks by it."""
     f = _native.features() if _native is not None else None
-    if not (f and f[0] and f[1]):
-        return False
-    return not f[2] or isa in (ISA_CODES["noamx"], ISA_CODES["nodec"])
+    return bool(f and f[0] and f[1]), bool(f and f[2])
 
 
 @functools.cache
