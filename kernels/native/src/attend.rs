@@ -1066,8 +1066,14 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 S::load_f16(s.add(tok[0])).store(kscale.as_mut_ptr());
                 S::load_f16(s.add(c.block_size + tok[0])).store(vscale.as_mut_ptr());
             }
-            if one_block {
-                let r0 = head.add(base[0] + tok[0] * c.stride_tok);
+            // one-block int8 / fp8 decode tiles form their row addresses at use (`vnni::Strided`)
+            let r0 = if one_block {
+                head.add(base[0] + tok[0] * c.stride_tok)
+            } else {
+                head
+            };
+            let strided = (fp8dec || vnni) && one_block;
+            if one_block && !strided {
                 for j in 0..W {
                     kptr[j] = r0.add(j * c.stride_tok);
                     vptr[j] = kptr[j].add(c.v_offset);
@@ -1200,15 +1206,18 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     while r < r_hi {
                         let nr = (r_hi - r).min(crate::vnni::NR_MAX);
                         let at = (hq0 + r) * d;
-                        crate::vnni::qk(
-                            &kptr,
-                            d,
-                            nr,
-                            q8h.add(at) as *const i8,
-                            q8l.add(at) as *const i8,
-                            qmeta.as_ptr().add(3 * (hq0 + r)),
-                            p.as_mut_ptr().add(r * W),
-                        );
+                        let (qh8, ql8) = (q8h.add(at) as *const i8, q8l.add(at) as *const i8);
+                        let (qm, pr) =
+                            (qmeta.as_ptr().add(3 * (hq0 + r)), p.as_mut_ptr().add(r * W));
+                        if strided {
+                            let k = crate::vnni::Strided {
+                                base: r0,
+                                stride: c.stride_tok,
+                            };
+                            crate::vnni::qk(&k, d, nr, qh8, ql8, qm, pr);
+                        } else {
+                            crate::vnni::qk(&kptr, d, nr, qh8, ql8, qm, pr);
+                        }
                         r += nr;
                     }
                 }
@@ -1219,7 +1228,16 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     let qr = qb.add((hq0 + r_lo) * d) as *const u32;
                     let qs = c.scale * kscale_of(hh) * fp8_post;
                     let pr = p.as_mut_ptr().add(r_lo * W);
-                    crate::vnni::fp8_qk::<F>(&kptr, d, r_hi - r_lo, qr, qs, pr);
+                    let n = r_hi - r_lo;
+                    if strided {
+                        let k = crate::vnni::Strided {
+                            base: r0,
+                            stride: c.stride_tok,
+                        };
+                        crate::vnni::fp8_qk::<F, _>(&k, d, n, qr, qs, pr);
+                    } else {
+                        crate::vnni::fp8_qk::<F, _>(&kptr, d, n, qr, qs, pr);
+                    }
                 }
             } else if dpbf16 {
                 let qs = S::splat(c.scale * kscale_of(hh));
@@ -1400,7 +1418,16 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                         .store_bf16_pairs(pb.add(r * (W / 2)));
                 }
                 let (ar, pr) = (acch.add(r_lo * d), pb.add(r_lo * (W / 2)) as *const u32);
-                crate::vnni::fp8_pv::<F>(ar, pr, d, r_hi - r_lo, &vptr, nk.div_ceil(2));
+                let (n, njp) = (r_hi - r_lo, nk.div_ceil(2));
+                if strided {
+                    let v = crate::vnni::Strided {
+                        base: r0.add(c.v_offset),
+                        stride: c.stride_tok,
+                    };
+                    crate::vnni::fp8_pv::<F, _>(ar, pr, d, n, &v, njp);
+                } else {
+                    crate::vnni::fp8_pv::<F, _>(ar, pr, d, n, &vptr, njp);
+                }
                 continue;
             }
             if vnni {
@@ -1411,7 +1438,15 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     while r < r_hi {
                         let nr = (r_hi - r).min(crate::vnni::NR_MAX);
                         let (ar, pr) = (acch.add(r * d), p.as_ptr().add(r * W));
-                        crate::vnni::pv(ar, pr, d, nr, &vptr, ng);
+                        if strided {
+                            let v = crate::vnni::Strided {
+                                base: r0.add(c.v_offset),
+                                stride: c.stride_tok,
+                            };
+                            crate::vnni::pv(ar, pr, d, nr, &v, ng);
+                        } else {
+                            crate::vnni::pv(ar, pr, d, nr, &vptr, ng);
+                        }
                         r += nr;
                     }
                 }

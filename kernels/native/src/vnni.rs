@@ -25,6 +25,8 @@
 //! The fp8 accumulator is in dimension order. Costs per 16 keys x 64 dimensions, R rows: 64
 //! shuffles (transpose) + 32 `vpshufb` + 64 shift / and + 32 R `vdpbf16ps` (K); per 2 keys 4
 //! `vpermt2b` + 8 shift / and + 4 R `vdpbf16ps` (V); no stores.
+//! K and V rows come as a `Rows`: an array of 16 addresses, or a first row and a stride when a
+//! tile's keys fill one block (`Strided`: no address array stored and reloaded per tile).
 
 #![cfg(target_arch = "x86_64")]
 
@@ -36,6 +38,35 @@ pub const MAX_ROWS: usize = 8;
 
 /// Rows one call handles (accumulators in registers).
 pub const NR_MAX: usize = 4;
+
+/// The 16 K or V rows of a tile: an array of row addresses, or (every key real and in one
+/// block, most tiles) a first row and a stride, so the addresses are formed in registers at
+/// their use instead of in a stack array per tile and head (the e4m3 decode spent ~14 % of its
+/// time on those stores and reloads).
+pub trait Rows {
+    unsafe fn row(&self, j: usize) -> *const u8;
+}
+
+impl Rows for [*const u8; W] {
+    #[inline(always)]
+    unsafe fn row(&self, j: usize) -> *const u8 {
+        self[j]
+    }
+}
+
+/// Rows `base + j * stride`.
+#[derive(Clone, Copy)]
+pub struct Strided {
+    pub base: *const u8,
+    pub stride: usize,
+}
+
+impl Rows for Strided {
+    #[inline(always)]
+    unsafe fn row(&self, j: usize) -> *const u8 {
+        self.base.add(j * self.stride)
+    }
+}
 
 /// Quantize query row `q` (`d` floats, already scaled) into `hi` and `lo` (`d` int8 each);
 /// returns (s, 128 sum hi, 128 sum lo) as three floats, `qk`'s `meta` row.
@@ -74,8 +105,8 @@ unsafe fn bcast(p: *const i8, dw: usize) -> __m512i {
 /// that are not real): `p[x * W + j]` = s_x sum_d q_x[d] k_j[d] (before the key's scale).
 /// `qh` / `ql`: the rows' parts, `d` apart; `meta`: `quantize_q`'s three floats per row.
 #[inline(always)]
-pub unsafe fn qk(
-    k: &[*const u8; W],
+pub unsafe fn qk<R: Rows>(
+    k: &R,
     d: usize,
     nr: usize,
     qh: *const i8,
@@ -84,16 +115,16 @@ pub unsafe fn qk(
     p: *mut f32,
 ) {
     match nr {
-        1 => qk_n::<1>(k, d, qh, ql, meta, p),
-        2 => qk_n::<2>(k, d, qh, ql, meta, p),
-        3 => qk_n::<3>(k, d, qh, ql, meta, p),
-        _ => qk_n::<4>(k, d, qh, ql, meta, p),
+        1 => qk_n::<1, R>(k, d, qh, ql, meta, p),
+        2 => qk_n::<2, R>(k, d, qh, ql, meta, p),
+        3 => qk_n::<3, R>(k, d, qh, ql, meta, p),
+        _ => qk_n::<4, R>(k, d, qh, ql, meta, p),
     }
 }
 
 #[inline(always)]
-unsafe fn qk_n<const NR: usize>(
-    k: &[*const u8; W],
+unsafe fn qk_n<const NR: usize, R: Rows>(
+    k: &R,
     d: usize,
     qh: *const i8,
     ql: *const i8,
@@ -111,8 +142,8 @@ unsafe fn qk_n<const NR: usize>(
     while c < d {
         // kt[dq] lane j: dimensions c + 4 dq .. + 3 of key j, as unsigned codes
         let mut t = [Avx512::<true, true>(_mm512_setzero_ps()); W];
-        for (tj, &kj) in t.iter_mut().zip(k.iter()) {
-            let row = _mm512_loadu_si512(kj.add(c) as *const _);
+        for (j, tj) in t.iter_mut().enumerate() {
+            let row = _mm512_loadu_si512(k.row(j).add(c) as *const _);
             *tj = Avx512(_mm512_castsi512_ps(_mm512_xor_si512(row, flip)));
         }
         <Avx512<true, true> as Simd>::transpose(&mut t);
@@ -141,23 +172,17 @@ unsafe fn qk_n<const NR: usize>(
 /// permuted layout; p rows `W` apart, already times each key's V scale, >= 0); `ng` groups of
 /// 4 keys of `v` (int8 rows; a zero row for keys that are not real).
 #[inline(always)]
-pub unsafe fn pv(acc: *mut f32, p: *const f32, d: usize, nr: usize, v: &[*const u8; W], ng: usize) {
+pub unsafe fn pv<R: Rows>(acc: *mut f32, p: *const f32, d: usize, nr: usize, v: &R, ng: usize) {
     match nr {
-        1 => pv_n::<1>(acc, p, d, v, ng),
-        2 => pv_n::<2>(acc, p, d, v, ng),
-        3 => pv_n::<3>(acc, p, d, v, ng),
-        _ => pv_n::<4>(acc, p, d, v, ng),
+        1 => pv_n::<1, R>(acc, p, d, v, ng),
+        2 => pv_n::<2, R>(acc, p, d, v, ng),
+        3 => pv_n::<3, R>(acc, p, d, v, ng),
+        _ => pv_n::<4, R>(acc, p, d, v, ng),
     }
 }
 
 #[inline(always)]
-unsafe fn pv_n<const NR: usize>(
-    acc: *mut f32,
-    p: *const f32,
-    d: usize,
-    v: &[*const u8; W],
-    ng: usize,
-) {
+unsafe fn pv_n<const NR: usize, R: Rows>(acc: *mut f32, p: *const f32, d: usize, v: &R, ng: usize) {
     // weights as uint8 per row: w ~ t u, u = round(w / t), t = max w / 255
     let mut wq = [[0u8; W]; NR];
     let mut t = [0f32; NR];
@@ -178,7 +203,7 @@ unsafe fn pv_n<const NR: usize>(
         for g in 0..ng {
             let mut r = [_mm512_setzero_si512(); 4];
             for (j, rj) in r.iter_mut().enumerate() {
-                *rj = _mm512_loadu_si512(v[4 * g + j].add(c) as *const _);
+                *rj = _mm512_loadu_si512(v.row(4 * g + j).add(c) as *const _);
             }
             // 4 keys' codes per dword: vector m, lane 4 L + i = dimension 16 L + 4 m + i
             let (lo01, hi01) = (
@@ -266,8 +291,8 @@ unsafe fn fp8_spread(half: usize) -> __m512i {
 /// each met by one `vdpbf16ps` per row. The transpose moves the 1 KB of codes, not the 2 KB
 /// of a converted tile, and nothing is stored.
 #[inline(always)]
-pub unsafe fn fp8_qk<const F: u8>(
-    k: &[*const u8; W],
+pub unsafe fn fp8_qk<const F: u8, R: Rows>(
+    k: &R,
     d: usize,
     nr: usize,
     q: *const u32,
@@ -275,16 +300,16 @@ pub unsafe fn fp8_qk<const F: u8>(
     p: *mut f32,
 ) {
     match nr {
-        1 => fp8_qk_n::<F, 1>(k, d, q, scale, p),
-        2 => fp8_qk_n::<F, 2>(k, d, q, scale, p),
-        3 => fp8_qk_n::<F, 3>(k, d, q, scale, p),
-        _ => fp8_qk_n::<F, 4>(k, d, q, scale, p),
+        1 => fp8_qk_n::<F, 1, R>(k, d, q, scale, p),
+        2 => fp8_qk_n::<F, 2, R>(k, d, q, scale, p),
+        3 => fp8_qk_n::<F, 3, R>(k, d, q, scale, p),
+        _ => fp8_qk_n::<F, 4, R>(k, d, q, scale, p),
     }
 }
 
 #[inline(always)]
-unsafe fn fp8_qk_n<const F: u8, const NR: usize>(
-    k: &[*const u8; W],
+unsafe fn fp8_qk_n<const F: u8, const NR: usize, R: Rows>(
+    k: &R,
     d: usize,
     q: *const u32,
     scale: f32,
@@ -296,8 +321,8 @@ unsafe fn fp8_qk_n<const F: u8, const NR: usize>(
     let mut s1 = [_mm512_setzero_ps(); NR];
     for c4 in 0..d / 64 {
         let mut t = [Avx512::<true, true>(_mm512_setzero_ps()); W];
-        for (tj, &kj) in t.iter_mut().zip(k.iter()) {
-            *tj = Avx512(_mm512_loadu_ps(kj.add(64 * c4) as *const f32));
+        for (j, tj) in t.iter_mut().enumerate() {
+            *tj = Avx512(_mm512_loadu_ps(k.row(j).add(64 * c4) as *const f32));
         }
         <Avx512<true, true> as Simd>::transpose(&mut t);
         for (i, ti) in t.iter().enumerate() {
@@ -329,19 +354,19 @@ unsafe fn fp8_qk_n<const F: u8, const NR: usize>(
 /// bytes) put the two keys' codes of 16 dimensions side by side in the high bytes of a dword
 /// each, then `fp8_words`.
 #[inline(always)]
-pub unsafe fn fp8_pv<const F: u8>(
+pub unsafe fn fp8_pv<const F: u8, R: Rows>(
     acc: *mut f32,
     pb: *const u32,
     d: usize,
     nr: usize,
-    v: &[*const u8; W],
+    v: &R,
     njp: usize,
 ) {
     match nr {
-        1 => fp8_pv_n::<F, 1>(acc, pb, d, v, njp),
-        2 => fp8_pv_n::<F, 2>(acc, pb, d, v, njp),
-        3 => fp8_pv_n::<F, 3>(acc, pb, d, v, njp),
-        _ => fp8_pv_n::<F, 4>(acc, pb, d, v, njp),
+        1 => fp8_pv_n::<F, 1, R>(acc, pb, d, v, njp),
+        2 => fp8_pv_n::<F, 2, R>(acc, pb, d, v, njp),
+        3 => fp8_pv_n::<F, 3, R>(acc, pb, d, v, njp),
+        _ => fp8_pv_n::<F, 4, R>(acc, pb, d, v, njp),
     }
 }
 
@@ -358,11 +383,11 @@ unsafe fn fp8_pair_idx(m: usize) -> __m512i {
 }
 
 #[inline(always)]
-unsafe fn fp8_pv_n<const F: u8, const NR: usize>(
+unsafe fn fp8_pv_n<const F: u8, const NR: usize, R: Rows>(
     acc: *mut f32,
     pb: *const u32,
     d: usize,
-    v: &[*const u8; W],
+    v: &R,
     njp: usize,
 ) {
     const HIGH: __mmask64 = 0xAAAA_AAAA_AAAA_AAAA;
@@ -381,8 +406,8 @@ unsafe fn fp8_pv_n<const F: u8, const NR: usize>(
             }
         }
         for jp in 0..njp {
-            let va = _mm512_loadu_si512(v[2 * jp].add(c) as *const _);
-            let vb = _mm512_loadu_si512(v[2 * jp + 1].add(c) as *const _);
+            let va = _mm512_loadu_si512(v.row(2 * jp).add(c) as *const _);
+            let vb = _mm512_loadu_si512(v.row(2 * jp + 1).add(c) as *const _);
             let mut xs = [_mm512_setzero_si512(); 4];
             for (m, xm) in xs.iter_mut().enumerate() {
                 *xm = fp8_words::<F>(_mm512_maskz_permutex2var_epi8(HIGH, va, idx[m], vb));
@@ -562,8 +587,8 @@ mod tests {
         acc: &mut [f32],
     ) {
         let d = 2 * q.len();
-        fp8_qk::<F>(k, d, 1, q.as_ptr(), 1.0, p.as_mut_ptr());
-        fp8_pv::<F>(acc.as_mut_ptr(), pb.as_ptr(), d, 1, k, W / 2);
+        fp8_qk::<F, _>(k, d, 1, q.as_ptr(), 1.0, p.as_mut_ptr());
+        fp8_pv::<F, _>(acc.as_mut_ptr(), pb.as_ptr(), d, 1, k, W / 2);
     }
 
     #[test]
