@@ -1066,14 +1066,22 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 S::load_f16(s.add(tok[0])).store(kscale.as_mut_ptr());
                 S::load_f16(s.add(c.block_size + tok[0])).store(vscale.as_mut_ptr());
             }
-            // one-block int8 / fp8 decode tiles form their row addresses at use (`vnni::Strided`)
+            // One-block decode tiles on the int8 / fp8 (`vnni::Strided`) and bf16 two-pass paths
+            // form their row addresses at use: no 16-address arrays stored and reloaded.
             let r0 = if one_block {
                 head.add(base[0] + tok[0] * c.stride_tok)
             } else {
                 head
             };
             let strided = (fp8dec || vnni) && one_block;
-            if one_block && !strided {
+            if two_pass && one_block {
+                let mut kr = r0;
+                for kj in kptr.iter_mut() {
+                    *kj = kr;
+                    kr = kr.add(c.stride_tok);
+                }
+            }
+            if one_block && !strided && !two_pass {
                 for j in 0..W {
                     kptr[j] = r0.add(j * c.stride_tok);
                     vptr[j] = kptr[j].add(c.v_offset);
@@ -1337,8 +1345,16 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     s.store(sd.add(r * W));
                 }
                 let vd = &mut *tp_v.add(e);
-                for (dst, src) in vd.iter_mut().zip(vptr.iter()) {
-                    *dst = *src as usize;
+                if one_block {
+                    let mut vr = r0.add(c.v_offset) as usize;
+                    for dst in vd.iter_mut() {
+                        *dst = vr;
+                        vr += c.stride_tok;
+                    }
+                } else {
+                    for (dst, src) in vd.iter_mut().zip(vptr.iter()) {
+                        *dst = *src as usize;
+                    }
                 }
                 continue;
             }
