@@ -472,7 +472,7 @@ mod tests {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni")]
-    unsafe fn qk_pv_vnni(k: &[*const u8; W], q: &[f32], p: &mut [f32], acc: &mut [f32]) {
+    unsafe fn qk_pv_vnni<R: Rows>(k: &R, q: &[f32], p: &mut [f32], acc: &mut [f32]) {
         let d = q.len();
         let (mut hi, mut lo) = (vec![0i8; d], vec![0i8; d]);
         let meta = quantize_q(q, &mut hi, &mut lo);
@@ -579,8 +579,8 @@ mod tests {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi")]
-    unsafe fn fp8_qk_pv<const F: u8>(
-        k: &[*const u8; W],
+    unsafe fn fp8_qk_pv<const F: u8, R: Rows>(
+        k: &R,
         q: &[u32],
         pb: &[u32],
         p: &mut [f32],
@@ -625,9 +625,9 @@ mod tests {
             let (mut p, mut acc) = (vec![0f32; W], vec![0f32; d]);
             unsafe {
                 if f == 4 {
-                    fp8_qk_pv::<4>(&k, &q, &pb, &mut p, &mut acc)
+                    fp8_qk_pv::<4, _>(&k, &q, &pb, &mut p, &mut acc)
                 } else {
-                    fp8_qk_pv::<5>(&k, &q, &pb, &mut p, &mut acc)
+                    fp8_qk_pv::<5, _>(&k, &q, &pb, &mut p, &mut acc)
                 }
             };
             let post = (2f32).powi(fp8_bias(f) - FP8_PRE);
@@ -647,6 +647,55 @@ mod tests {
                     "F={f} dim {e}: {got} vs {want}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn strided_rows_give_the_bits_of_an_address_array() {
+        if !crate::has_avx512() || !crate::has_vnni() || !is_x86_feature_detected!("avx512bf16") {
+            return;
+        }
+        let vbmi = is_x86_feature_detected!("avx512vbmi");
+        let d = 64;
+        let stride = 3 * d + 40; // rows of one head, other heads' bytes between them
+        let buf: Vec<u8> = (0..W * stride + 5)
+            .map(|i| (((i * 131 + 7) % 112) as u8 + 8) | ((i as u8 & 1) << 7))
+            .collect();
+        let base = buf[5..].as_ptr(); // not 64-byte aligned
+        let strided = Strided { base, stride };
+        let arr: [*const u8; W] = std::array::from_fn(|j| unsafe { base.add(j * stride) });
+        let q: Vec<f32> = (0..d)
+            .map(|e| ((e * 29 % 17) as f32 - 8.0) * 0.21)
+            .collect();
+        let run = |k: &dyn Fn(&mut [f32], &mut [f32])| {
+            let (mut p, mut acc) = (vec![0f32; W], vec![0f32; d]);
+            k(&mut p, &mut acc);
+            (p, acc)
+        };
+        let a = run(&|p, acc| unsafe { qk_pv_vnni(&arr, &q, p, acc) });
+        let b = run(&|p, acc| unsafe { qk_pv_vnni(&strided, &q, p, acc) });
+        assert_eq!(a, b, "int8");
+        if !vbmi {
+            return;
+        }
+        let qb: Vec<u32> = (0..d / 2).map(|i| 0x3f80_3f80 + i as u32).collect();
+        let pb: Vec<u32> = (0..W / 2).map(|i| 0x3f00_3f00 + i as u32).collect();
+        for f in [4u8, 5] {
+            let a = run(&|p, acc| unsafe {
+                if f == 4 {
+                    fp8_qk_pv::<4, _>(&arr, &qb, &pb, p, acc)
+                } else {
+                    fp8_qk_pv::<5, _>(&arr, &qb, &pb, p, acc)
+                }
+            });
+            let b = run(&|p, acc| unsafe {
+                if f == 4 {
+                    fp8_qk_pv::<4, _>(&strided, &qb, &pb, p, acc)
+                } else {
+                    fp8_qk_pv::<5, _>(&strided, &qb, &pb, p, acc)
+                }
+            });
+            assert_eq!(a, b, "fp8 F={f}");
         }
     }
 
