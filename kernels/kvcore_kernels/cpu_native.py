@@ -38,10 +38,12 @@ else AVX2 + FMA, else portable; ``KVCORE_NATIVE_ISA=avx2`` caps it at AVX2 and
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,6 +73,83 @@ try:  # the compiled extension (not a Python module of the layer table)
     _native = importlib.import_module("kvcore_kernels._native")
 except ImportError:  # a build without the extension: every caller falls back to the twin
     _native = None
+
+
+# Op codes of ``_native.run_calls``' records.
+_CALL_LINEAR, _CALL_ELEMENTWISE, _CALL_STORE, _CALL_ATTENTION = range(4)
+
+
+class _Recording:
+    """Native calls held back by ``deferred``: their argument records, in order, and whatever
+    their addresses point into (kept alive until the calls have run)."""
+
+    __slots__ = ("calls", "keep")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, list[int], list[float]]] = []
+        self.keep: list[object] = []
+
+
+_RECORDING: _Recording | None = None
+# Steps of up to this many rows defer their layers' calls (``deferred``): the recorded calls
+# keep every intermediate alive until they run, ~0.3 MB per layer per 16 rows of SmolLM2.
+DEFER_MAX_ROWS = 256
+
+
+def defer_allowed(rows: int) -> bool:
+    """Whether a step of ``rows`` rows may defer its native calls: the extension is here, the
+    step is small enough (``DEFER_MAX_ROWS``), and ``KVCORE_DEFER_CALLS`` is not ``0`` (read
+    once, for A/B runs)."""
+    return _native is not None and rows <= DEFER_MAX_ROWS and _defer_on()
+
+
+@functools.cache
+def _defer_on() -> bool:
+    return os.environ.get("KVCORE_DEFER_CALLS", "1") not in ("0", "")
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Inside, ``linear``, ``elementwise``, ``store`` and ``run`` record their calls instead of
+    making them; at the end (or at ``flush()``) ``_native.run_calls`` checks and runs them all
+    in order, in one crossing with the GIL released once. The Python that builds a step's
+    ~270 calls then runs once on warm caches instead of between the kernels' weight and KV
+    streams, where it cost 0.7-0.9 s of the offline SmolLM2 job (docs/engine.md, "Where the
+    rest of the gap sits"). Their outputs are not written until then: code inside that reads
+    one (a torch op, a fallback) calls ``flush()`` first. Nested, the outer block runs them; on
+    an exception the recorded calls are dropped unrun (the tensors they write are the failed
+    step's own)."""
+    global _RECORDING
+    if _RECORDING is not None or _native is None:
+        yield
+        return
+    _RECORDING = _Recording()
+    try:
+        yield
+        flush()
+    finally:
+        _RECORDING = None
+
+
+def flush() -> None:
+    """Run the calls ``deferred`` has recorded so far (no-op outside it or with none). A record
+    its single call would refuse (a bad code, a slot past the cache) raises
+    ``KernelConfigError`` with none of them run."""
+    rec = _RECORDING
+    if rec is None or not rec.calls:
+        return
+    calls, keep = rec.calls, rec.keep
+    rec.calls, rec.keep = [], []
+    try:
+        _native.run_calls(calls)
+    except ValueError as err:
+        raise KernelConfigError(str(err)) from None
+    del keep
+
+
+def recording() -> bool:
+    """Whether native calls are being recorded (inside ``deferred``)."""
+    return _RECORDING is not None
 
 
 def available() -> bool:
@@ -421,6 +500,25 @@ def run(
     )  # fmt: skip
     if len(work.work) == 0:
         return out
+    if _RECORDING is not None:
+        ints = [
+            query.data_ptr(), query.stride(0), query.stride(1),
+            out.data_ptr(), out.stride(0), out.stride(1), DTYPE_CODES[query.dtype],
+            kv_ptr, fmt, *strides[:3], strides[3], scale_offset,
+            hq, num_kv_heads, d, meta.block_size,
+            work.qsl.ctypes.data, work.seq_lens.ctypes.data, work.table.ctypes.data,
+            work.table.shape[1], int(sliding_window or 0),
+            0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+            0 if fp8_scale is None else fp8_scale.data_ptr(),
+            0 if q_rotation is None else q_rotation.data_ptr(),
+            int(bool(meta.num_released)),
+            work.work.ctypes.data, len(work.work), work.merges.ctypes.data, len(work.merges),
+            work.partial.data_ptr(), work.max_rows,
+            threads, MODES[OPTIONS.mode], _isa(), int(fuse),
+        ]  # fmt: skip
+        _RECORDING.calls.append((_CALL_ATTENTION, ints, [float(scale), float(soft_cap or 0.0)]))
+        _RECORDING.keep.append((query, out, work, alibi_slopes, fp8_scale, q_rotation))
+        return out
     _native.paged_attention(
         query.data_ptr(), query.stride(0), query.stride(1),
         out.data_ptr(), out.stride(0), out.stride(1), DTYPE_CODES[query.dtype],
@@ -459,6 +557,15 @@ def store(
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
     slots = slots.contiguous()
     e = kv_cache.element_size()
+    if _RECORDING is not None:
+        ints = [
+            key.data_ptr(), value.data_ptr(), key.stride(0) * e, value.stride(0) * e, hk * d * e,
+            kv_cache.data_ptr(), kv_cache.stride(0) * e, kv_cache.stride(1) * e,
+            kv_cache.stride(2) * e, bs, nb * bs, slots.data_ptr(), n,
+        ]  # fmt: skip
+        _RECORDING.calls.append((_CALL_STORE, ints, []))
+        _RECORDING.keep.append((key, value, kv_cache, slots))
+        return True
     try:
         _native.store_kv(
             key.data_ptr(), value.data_ptr(), key.stride(0) * e, value.stride(0) * e, hk * d * e,
@@ -473,10 +580,20 @@ def store(
 def elementwise(
     op: int, rows: int, dim: int, x: int, x_stride: int, y: int, y_stride: int, w: int,
     out: int, out_stride: int, eps: float = 0.0, heads: int = 0, head_stride: int = 0,
+    keep: tuple = (),
 ) -> None:  # fmt: skip
     """One row-wise bf16 op of ``ops_cpu`` over addresses and element strides (the caller
-    checked the tensors) on the kernel's threads."""
+    checked the tensors) on the kernel's threads; ``keep``: the tensors behind the addresses
+    (held until a ``deferred`` call has run)."""
     _bind_openmp()
+    if _RECORDING is not None:
+        ints = [
+            op, rows, dim, x, x_stride, y, y_stride, w, out, out_stride, heads, head_stride,
+            torch.get_num_threads(), MODES[OPTIONS.mode], _isa(),
+        ]  # fmt: skip
+        _RECORDING.calls.append((_CALL_ELEMENTWISE, ints, [float(eps)]))
+        _RECORDING.keep.append(keep)
+        return
     _native.elementwise(
         op, rows, dim, x, x_stride, y, y_stride, w, out, out_stride, float(eps), heads,
         head_stride, torch.get_num_threads(), MODES[OPTIONS.mode], _isa(),
@@ -486,6 +603,7 @@ def elementwise(
 def argmax_bf16(x: int, rows: int, n: int, stride: int, out: int) -> None:
     """Row-wise argmax of bf16 rows over addresses (``ops_cpu.argmax_rows`` checked the tensor)
     into ``out`` (int64), on the calling thread."""
+    flush()  # x may be a recorded call's output
     _native.argmax_bf16(x, rows, n, stride, out)
 
 
@@ -509,13 +627,22 @@ def linear_tall_allowed() -> bool:
 
 def linear(
     x: int, x_stride: int, rows: int, k: int, w: int, n_out: int, bias: int, out: int,
-    out_stride: int, glu: bool = False,
+    out_stride: int, glu: bool = False, keep: tuple = (),
 ) -> None:  # fmt: skip
     """A bf16 linear over addresses (``linear_cpu`` checked the tensors) on the kernel's
     threads; ``glu``: a gated weight, ``silu(gate) * up`` out. On the AVX2 path, calls of
     ``TALL_ROWS`` (12) rows or more take the blocked GEMM unless ``linear_tall_allowed()`` says
-    no."""
+    no. ``keep``: the tensors behind the addresses (held until a ``deferred`` call has run)."""
     _bind_openmp()
+    if _RECORDING is not None:
+        ints = [
+            x, x_stride, rows, k, w, n_out, bias, out, out_stride, torch.get_num_threads(),
+            MODES[OPTIONS.mode], int(_isa() not in _BEST_ISAS), int(glu),
+            int(linear_tall_allowed()),
+        ]  # fmt: skip
+        _RECORDING.calls.append((_CALL_LINEAR, ints, []))
+        _RECORDING.keep.append(keep)
+        return
     _native.linear(
         x, x_stride, rows, k, w, n_out, bias, out, out_stride, torch.get_num_threads(),
         MODES[OPTIONS.mode], _isa() not in _BEST_ISAS, glu,

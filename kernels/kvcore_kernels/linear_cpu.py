@@ -160,6 +160,7 @@ def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = No
         raise KernelConfigError(f"bias must be contiguous bf16 [{packed.n_out}]")
     rows = x.shape[0]
     if x.stride(1) != 1 or (rows > 1 and x.stride(0) < packed.k):  # the kernel reads whole rows
+        cpu_native.flush()  # x may be a recorded call's output
         x = x.contiguous()
     out = torch.empty(rows, packed.n_out, dtype=torch.bfloat16)
     if rows == 0:
@@ -168,5 +169,6 @@ def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = No
         x.data_ptr(), x.stride(0) if rows > 1 else packed.k, rows, packed.k,
         packed.data.data_ptr(), packed.n_out,
         0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), packed.glu,
+        keep=(x, packed.data, bias, out),
     )  # fmt: skip
     return out

@@ -77,6 +77,15 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _pick(backend: str, ok: bool, what: str) -> bool:
+    """Whether the native op runs; where the torch one will, calls recorded by
+    ``cpu_native.deferred`` run first (it reads their outputs)."""
+    if not _pick_native(backend, ok, what):
+        cpu_native.flush()
+        return False
+    return True
+
+
+def _pick_native(backend: str, ok: bool, what: str) -> bool:
     if backend == "torch":
         return False
     if backend == "cpu" and not ok:
@@ -128,6 +137,7 @@ def rms_norm(
     cpu_native.elementwise(
         OP_RMS_NORM, x.shape[0], h, x.data_ptr(), x.stride(0), res_ptr, res_stride,
         weight.data_ptr(), out.data_ptr(), out.stride(0), eps,
+        keep=(x, residual, weight, out),
     )  # fmt: skip
     return out, residual
 
@@ -146,8 +156,9 @@ def silu_and_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tenso
     t = gate_up.shape[0]
     out = torch.empty((t, i), dtype=gate_up.dtype)
     cpu_native.elementwise(
-        OP_SILU_MUL, t, i, gate_up.data_ptr(), gate_up.stride(0), 0, 0, 0, out.data_ptr(), i
-    )
+        OP_SILU_MUL, t, i, gate_up.data_ptr(), gate_up.stride(0), 0, 0, 0, out.data_ptr(), i,
+        keep=(gate_up, out),
+    )  # fmt: skip
     return out
 
 
@@ -170,7 +181,7 @@ def rotary_(
         return rotary_torch(x, cos, sin)
     cpu_native.elementwise(
         OP_ROTARY, x.shape[0], d, x.data_ptr(), x.stride(0), cos.data_ptr(), d // 2,
-        sin.data_ptr(), 0, 0, 0.0, x.shape[1], x.stride(1),
+        sin.data_ptr(), 0, 0, 0.0, x.shape[1], x.stride(1), keep=(x, cos, sin),
     )  # fmt: skip
     return x
 

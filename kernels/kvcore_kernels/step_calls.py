@@ -38,6 +38,11 @@ class LayerCalls:
         self._fast: dict[tuple, tuple] = {}
         self._keep: list[object] = []
 
+    @property
+    def fast(self) -> bool:
+        """Whether some geometry of this step resolved to the native store and kernel."""
+        return bool(self._fast)
+
     def __call__(
         self,
         query: torch.Tensor,
@@ -52,6 +57,7 @@ class LayerCalls:
         soft_cap: float | None = None,
     ) -> torch.Tensor:
         if not isinstance(kv_cache, torch.Tensor):  # a quantized cache: always checked
+            cpu_native.flush()  # (the checked paths may read q, k, v with torch)
             store_kv(key, value, kv_cache, slot_mapping, meta=meta)
             return paged_attention(
                 query, kv_cache, meta, scale=scale, sliding_window=sliding_window,
@@ -73,8 +79,10 @@ class LayerCalls:
                     sliding_window=sliding_window, soft_cap=soft_cap, alibi_slopes=None,
                     fp8_scale=None,
                 )  # fmt: skip
+            cpu_native.flush()
             store_kv(key, value, kv_cache, slot_mapping, meta=meta)  # not reached: same layout
         else:
+            cpu_native.flush()
             store_kv(key, value, kv_cache, slot_mapping, meta=meta)
         out = paged_attention(
             query, kv_cache, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap

@@ -1,5 +1,7 @@
 //! The Python binding: `paged_attention(...)` and `store_kv(...)` over addresses,
-//! `elementwise(...)`, `linear(...)`, `set_gomp_parallel`, `features`.
+//! `elementwise(...)`, `linear(...)`, `set_gomp_parallel`, `features`, and `run_calls(...)`:
+//! a list of those calls checked first (a bad one runs nothing) and run in order in one
+//! crossing, the GIL released once.
 
 use crate::attend::{Call, Dt, Fmt};
 use crate::pool::{self, Mode};
@@ -61,6 +63,93 @@ fn paged_attention(
     isa: u8,
     fuse_heads: bool,
 ) -> PyResult<()> {
+    let job = attention_job(
+        q,
+        q_stride_tok,
+        q_stride_head,
+        out,
+        out_stride_tok,
+        out_stride_head,
+        dtype,
+        kv,
+        fmt,
+        stride_block,
+        stride_tok,
+        stride_head,
+        v_offset,
+        scale_offset,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        qsl,
+        seq_lens,
+        table,
+        table_stride,
+        scale,
+        window,
+        soft_cap,
+        alibi,
+        fp8_scale,
+        q_rot,
+        released,
+        work,
+        num_items,
+        merges,
+        num_merges,
+        partial,
+        max_rows,
+        threads,
+        mode,
+        isa,
+        fuse_heads,
+    )?;
+    run_jobs(py, vec![job])
+}
+
+/// `paged_attention`'s checks: the call as a job, or the error (nothing run).
+#[allow(clippy::too_many_arguments)]
+fn attention_job(
+    q: usize,
+    q_stride_tok: usize,
+    q_stride_head: usize,
+    out: usize,
+    out_stride_tok: usize,
+    out_stride_head: usize,
+    dtype: u8,
+    kv: usize,
+    fmt: u8,
+    stride_block: usize,
+    stride_tok: usize,
+    stride_head: usize,
+    v_offset: usize,
+    scale_offset: usize,
+    num_q_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    qsl: usize,
+    seq_lens: usize,
+    table: usize,
+    table_stride: usize,
+    scale: f32,
+    window: i64,
+    soft_cap: f32,
+    alibi: usize,
+    fp8_scale: usize,
+    q_rot: usize,
+    released: bool,
+    work: usize,
+    num_items: usize,
+    merges: usize,
+    num_merges: usize,
+    partial: usize,
+    max_rows: usize,
+    threads: usize,
+    mode: u8,
+    isa: u8,
+    fuse_heads: bool,
+) -> PyResult<Job> {
     let dt = match dtype {
         0 => Dt::F32,
         1 => Dt::Bf16,
@@ -131,12 +220,16 @@ fn paged_attention(
         dec: false,
         two_pass: false,
     };
-    let res = py.detach(|| unsafe {
-        crate::run(
-            &c, num_items, num_merges, max_rows, threads, mode, isa, fuse_heads,
-        )
-    });
-    res.map_err(|_| PyRuntimeError::new_err("native paged attention panicked"))
+    Ok(Job::Attention {
+        c,
+        num_items,
+        num_merges,
+        max_rows,
+        threads,
+        mode,
+        isa,
+        fuse_heads,
+    })
 }
 
 /// Whether an attention item prefetches the next one's first keys (`KVCORE_NATIVE_PREFETCH_NEXT=0`
@@ -196,6 +289,52 @@ fn store_kv(
     Ok(py.detach(|| unsafe { crate::store::store(&s, slots) }))
 }
 
+/// `store_kv`'s checks: the call as a job, or the error (nothing written).
+#[allow(clippy::too_many_arguments)]
+fn store_job(
+    key: usize,
+    value: usize,
+    key_stride: usize,
+    value_stride: usize,
+    row_bytes: usize,
+    cache: usize,
+    stride_block: usize,
+    v_offset: usize,
+    stride_slot: usize,
+    block_size: usize,
+    num_slots: usize,
+    slots: usize,
+    num_tokens: usize,
+) -> PyResult<Job> {
+    if block_size == 0 {
+        return Err(PyValueError::new_err("block_size must be positive"));
+    }
+    let list = unsafe { std::slice::from_raw_parts(slots as *const i64, num_tokens) };
+    if let Some((i, s)) = crate::store::bad_slot(list, num_slots) {
+        return Err(PyValueError::new_err(format!(
+            "slot {s} (token {i}) is past the cache's {num_slots} slots"
+        )));
+    }
+    let s = crate::store::Store {
+        key: key as *const u8,
+        value: value as *const u8,
+        key_stride,
+        value_stride,
+        row_bytes,
+        cache: cache as *mut u8,
+        stride_block,
+        v_offset,
+        stride_slot,
+        block_size,
+        num_slots,
+    };
+    Ok(Job::Store {
+        s,
+        slots: slots as *const i64,
+        n: num_tokens,
+    })
+}
+
 /// `isa` checked: 0 the best instance, 1 portable, 2 at most AVX2, 3 the best without the VNNI
 /// int8 / VBMI fp8 decode, 4 the best without AMX tiles, 5 the best without the prefill's
 /// key segments, 6 the best without the AMX decode, 7 the best with bf16 decode items in one
@@ -245,6 +384,47 @@ fn elementwise(
     mode: u8,
     isa: u8,
 ) -> PyResult<()> {
+    let job = elementwise_job(
+        op,
+        rows,
+        dim,
+        x,
+        x_stride,
+        y,
+        y_stride,
+        w,
+        out,
+        out_stride,
+        eps,
+        heads,
+        head_stride,
+        threads,
+        mode,
+        isa,
+    )?;
+    run_jobs(py, vec![job])
+}
+
+/// `elementwise`'s checks: the call as a job, or the error.
+#[allow(clippy::too_many_arguments)]
+fn elementwise_job(
+    op: u8,
+    rows: usize,
+    dim: usize,
+    x: usize,
+    x_stride: usize,
+    y: usize,
+    y_stride: usize,
+    w: usize,
+    out: usize,
+    out_stride: usize,
+    eps: f32,
+    heads: usize,
+    head_stride: usize,
+    threads: usize,
+    mode: u8,
+    isa: u8,
+) -> PyResult<Job> {
     let op = match op {
         0 => crate::ops::Op::RmsNorm,
         1 => crate::ops::Op::SiluMul,
@@ -277,8 +457,12 @@ fn elementwise(
         heads,
         head_stride,
     };
-    py.detach(|| unsafe { crate::run_ops(&c, threads, mode, isa) })
-        .map_err(|_| PyRuntimeError::new_err("the native element-wise op panicked"))
+    Ok(Job::Ops {
+        c,
+        threads,
+        mode,
+        isa,
+    })
 }
 
 /// Small-batch bf16 linear over a packed weight (`kvcore_kernels.linear_cpu`); releases the GIL.
@@ -302,6 +486,30 @@ fn linear(
     glu: bool,
     tall: bool,
 ) -> PyResult<()> {
+    let job = linear_job(
+        x, x_stride, rows, k, w, n_out, bias, out, out_stride, threads, mode, portable, glu, tall,
+    )?;
+    run_jobs(py, vec![job])
+}
+
+/// `linear`'s checks: the call as a job, or the error.
+#[allow(clippy::too_many_arguments)]
+fn linear_job(
+    x: usize,
+    x_stride: usize,
+    rows: usize,
+    k: usize,
+    w: usize,
+    n_out: usize,
+    bias: usize,
+    out: usize,
+    out_stride: usize,
+    threads: usize,
+    mode: u8,
+    portable: bool,
+    glu: bool,
+    tall: bool,
+) -> PyResult<Job> {
     if k == 0 || k % 2 != 0 || n_out == 0 || x_stride < k || out_stride < n_out {
         return Err(PyValueError::new_err(format!(
             "linear: k {k} must be even and > 0, n_out {n_out} > 0, strides {x_stride} >= k \
@@ -326,8 +534,13 @@ fn linear(
         out_stride,
         glu,
     };
-    py.detach(|| unsafe { crate::run_linear(&c, threads, mode, portable, tall) })
-        .map_err(|_| PyRuntimeError::new_err("the native linear panicked"))
+    Ok(Job::Linear {
+        c,
+        threads,
+        mode,
+        portable,
+        tall,
+    })
 }
 
 /// Whether the small-batch linear has its AVX-512 BF16 path on this CPU.
@@ -391,6 +604,238 @@ fn argmax_bf16(
     Ok(())
 }
 
+/// A checked native call, ready to run without the GIL.
+enum Job {
+    Attention {
+        c: Call,
+        num_items: usize,
+        num_merges: usize,
+        max_rows: usize,
+        threads: usize,
+        mode: Mode,
+        isa: u8,
+        fuse_heads: bool,
+    },
+    Store {
+        s: crate::store::Store,
+        slots: *const i64,
+        n: usize,
+    },
+    Ops {
+        c: crate::ops::Rows,
+        threads: usize,
+        mode: Mode,
+        isa: u8,
+    },
+    Linear {
+        c: crate::linear::Linear,
+        threads: usize,
+        mode: Mode,
+        portable: bool,
+        tall: bool,
+    },
+}
+
+/// Jobs crossing into `py.detach`: their addresses stay valid while the caller holds the
+/// tensors (the Python side keeps every tensor a recorded call names until the run returns).
+struct Jobs(Vec<Job>);
+unsafe impl Send for Jobs {}
+
+/// Run checked jobs in order with the GIL released; the first panic stops the rest.
+fn run_jobs(py: Python<'_>, jobs: Vec<Job>) -> PyResult<()> {
+    let jobs = Jobs(jobs);
+    py.detach(move || {
+        let jobs = jobs;
+        for job in &jobs.0 {
+            let ok = unsafe {
+                match job {
+                    Job::Attention {
+                        c,
+                        num_items,
+                        num_merges,
+                        max_rows,
+                        threads,
+                        mode,
+                        isa,
+                        fuse_heads,
+                    } => crate::run(
+                        c,
+                        *num_items,
+                        *num_merges,
+                        *max_rows,
+                        *threads,
+                        *mode,
+                        *isa,
+                        *fuse_heads,
+                    )
+                    .map_err(|_| "native paged attention panicked"),
+                    Job::Store { s, slots, n } => {
+                        crate::store::store(s, std::slice::from_raw_parts(*slots, *n));
+                        Ok(())
+                    }
+                    Job::Ops {
+                        c,
+                        threads,
+                        mode,
+                        isa,
+                    } => crate::run_ops(c, *threads, *mode, *isa)
+                        .map_err(|_| "the native element-wise op panicked"),
+                    Job::Linear {
+                        c,
+                        threads,
+                        mode,
+                        portable,
+                        tall,
+                    } => crate::run_linear(c, *threads, *mode, *portable, *tall)
+                        .map_err(|_| "the native linear panicked"),
+                }
+            };
+            ok.map_err(PyRuntimeError::new_err)?;
+        }
+        Ok(())
+    })
+}
+
+/// Op codes of `run_calls`' records.
+const CALL_LINEAR: u8 = 0;
+const CALL_ELEMENTWISE: u8 = 1;
+const CALL_STORE: u8 = 2;
+const CALL_ATTENTION: u8 = 3;
+
+/// Many native calls in one crossing: each record is `(op, ints, floats)`, the arguments of
+/// `linear` (op 0), `elementwise` (1), `store_kv` (2) or `paged_attention` (3) in their
+/// positional order, the float ones (`eps`; `scale`, `soft_cap`) in `floats` and every other
+/// one (addresses, sizes, codes, flags as 0 / 1) in `ints`. Every record is checked first, as
+/// its single call would check it, so a bad one raises ValueError with nothing run; then they
+/// run in order with the GIL released. The caller keeps alive whatever the addresses point
+/// into until this returns.
+#[pyfunction]
+fn run_calls(py: Python<'_>, calls: Vec<(u8, Vec<i64>, Vec<f64>)>) -> PyResult<()> {
+    let mut jobs = Vec::with_capacity(calls.len());
+    for (n, (op, a, f)) in calls.iter().enumerate() {
+        let want = match *op {
+            CALL_LINEAR => (14, 0),
+            CALL_ELEMENTWISE => (15, 1),
+            CALL_STORE => (13, 0),
+            CALL_ATTENTION => (37, 2),
+            _ => return Err(PyValueError::new_err(format!("call {n}: unknown op {op}"))),
+        };
+        if (a.len(), f.len()) != want {
+            return Err(PyValueError::new_err(format!(
+                "call {n} (op {op}): {} ints and {} floats, expected {} and {}",
+                a.len(),
+                f.len(),
+                want.0,
+                want.1
+            )));
+        }
+        if a.iter().any(|&x| x < 0) {
+            return Err(PyValueError::new_err(format!(
+                "call {n} (op {op}): a negative integer argument"
+            )));
+        }
+        let u = |i: usize| a[i] as usize;
+        let b = |i: usize| a[i] != 0;
+        let c8 = |i: usize| -> PyResult<u8> {
+            u8::try_from(a[i])
+                .map_err(|_| PyValueError::new_err(format!("call {n}: code {}", a[i])))
+        };
+        jobs.push(match *op {
+            CALL_LINEAR => linear_job(
+                u(0),
+                u(1),
+                u(2),
+                u(3),
+                u(4),
+                u(5),
+                u(6),
+                u(7),
+                u(8),
+                u(9),
+                c8(10)?,
+                b(11),
+                b(12),
+                b(13),
+            )?,
+            CALL_ELEMENTWISE => elementwise_job(
+                c8(0)?,
+                u(1),
+                u(2),
+                u(3),
+                u(4),
+                u(5),
+                u(6),
+                u(7),
+                u(8),
+                u(9),
+                f[0] as f32,
+                u(10),
+                u(11),
+                u(12),
+                c8(13)?,
+                c8(14)?,
+            )?,
+            CALL_STORE => store_job(
+                u(0),
+                u(1),
+                u(2),
+                u(3),
+                u(4),
+                u(5),
+                u(6),
+                u(7),
+                u(8),
+                u(9),
+                u(10),
+                u(11),
+                u(12),
+            )?,
+            _ => attention_job(
+                u(0),
+                u(1),
+                u(2),
+                u(3),
+                u(4),
+                u(5),
+                c8(6)?,
+                u(7),
+                c8(8)?,
+                u(9),
+                u(10),
+                u(11),
+                u(12),
+                u(13),
+                u(14),
+                u(15),
+                u(16),
+                u(17),
+                u(18),
+                u(19),
+                u(20),
+                u(21),
+                f[0] as f32,
+                a[22],
+                f[1] as f32,
+                u(23),
+                u(24),
+                u(25),
+                b(26),
+                u(27),
+                u(28),
+                u(29),
+                u(30),
+                u(31),
+                u(32),
+                u(33),
+                c8(34)?,
+                c8(35)?,
+                b(36),
+            )?,
+        });
+    }
+    run_jobs(py, jobs)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
@@ -402,5 +847,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(linear_avx2_path, m)?)?;
     m.add_function(wrap_pyfunction!(set_gomp_parallel, m)?)?;
     m.add_function(wrap_pyfunction!(features, m)?)?;
+    m.add_function(wrap_pyfunction!(run_calls, m)?)?;
     Ok(())
 }

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from kvcore_kernels import cpu_native
 from torch import nn
 
 from kvcore.models.layers.activation import ActAndMul
@@ -190,8 +191,25 @@ class LlamaModel(nn.Module):
         res = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            if i == 1 and last > 1 and self._defer(h, step):
+                # The middle layers' native calls recorded and run in one crossing (the
+                # first layer ran them one by one, resolving the step's checks; the last one
+                # reads with torch, its kept rows): docs/engine.md, "Deferred native calls"
+                with cpu_native.deferred():
+                    for mid in self.layers[1:last]:
+                        h, res = mid(h, res, cos, sin, step)
+                return self.layers[last](h, res, cos, sin, step, keep)
             h, res = layer(h, res, cos, sin, step, keep if i == last else None)
         return h, res
+
+    @staticmethod
+    def _defer(h: torch.Tensor, step: StepAttention) -> bool:
+        return (
+            h.device.type == "cpu"
+            and cpu_native.defer_allowed(h.shape[0])
+            and getattr(step, "native_calls", False)
+            and not torch.compiler.is_compiling()
+        )
 
 
 class LlamaForCausalLM(nn.Module):

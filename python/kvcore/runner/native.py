@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import kvcore_kernels
 import torch
+from kvcore_kernels import cpu_native
 from kvcore_kernels.step_calls import LayerCalls
 
 from kvcore.runner.attention import AttentionContext
@@ -32,6 +33,13 @@ class NativeStep:
         self.ctx = ctx
         # the step's layers share their checks (kvcore_kernels.step_calls.LayerCalls)
         self.calls = LayerCalls() if ctx.backend == "auto" else None
+
+    @property
+    def native_calls(self) -> bool:
+        """Whether this step's layers so far went straight to the native store and kernel (a
+        geometry resolved by ``LayerCalls``): the model may then defer the next layers' calls
+        (``cpu_native.deferred``)."""
+        return self.calls is not None and not self.ctx.use_op and self.calls.fast
 
     def __call__(
         self,
@@ -56,6 +64,7 @@ class NativeStep:
             # and kernel take such rows as they are (their token stride), so no copy there
             # (1.2 % of the 1-thread offline job was these three copies and their calls)
             if not (isinstance(cache, torch.Tensor) and cache.device.type == "cpu"):
+                cpu_native.flush()
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             return self.calls(
                 q, k, v, cache, slots, meta,
@@ -63,6 +72,7 @@ class NativeStep:
             )  # fmt: skip
         # The other paths get contiguous rows. The copies are T x H x D (small next to the
         # GEMMs) and, compiled, fuse into the kernel producing q/k.
+        cpu_native.flush()  # they read q, k, v: recorded calls run first
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if ctx.use_op:
             return paged_attention_op(

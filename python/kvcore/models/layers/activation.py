@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvcore_kernels import ops_cpu
+from kvcore_kernels import cpu_native, ops_cpu
 from torch import nn
 
 
@@ -26,5 +26,6 @@ class ActAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.name == "silu":  # native in bf16 on a CPU (eager): one pass, no temporaries
             return ops_cpu.silu_and_mul(gate_up)
+        cpu_native.flush()  # torch reads gate_up: calls recorded by cpu_native.deferred first
         gate, up = gate_up.chunk(2, dim=-1)
         return self.fn(gate) * up

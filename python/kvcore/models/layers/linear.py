@@ -77,7 +77,7 @@ import os
 import torch
 import torch.nn.functional as F
 from kvcore_kernels import cache as kv_cache
-from kvcore_kernels import linear_cpu
+from kvcore_kernels import cpu_native, linear_cpu
 from torch import nn
 
 # Rows up to which the native kernel runs (None: every call). Without AMX it measured faster
@@ -107,6 +107,8 @@ def _linear(x: torch.Tensor, mod: MergedLinear | Linear) -> torch.Tensor:
         limit = SMALL_ROWS if mod.upcast is None else UPCAST_SMALL_ROWS
         if mod.small is not None and x.dim() == 2 and (limit is None or rows <= limit):
             return linear_cpu.linear(x, mod.small, mod.bias)
+    cpu_native.flush()  # torch reads x: calls recorded by cpu_native.deferred run first
+    if not torch.compiler.is_compiling():
         if mod.packed is not None and x.numel() > x.shape[-1]:
             return torch.ops.mkldnn._linear_pointwise(x, mod.packed, mod.bias, "none", [], "")
         if mod.upcast is not None:  # fp32 GEMM: an fp32 model, or bf16 without bf16 GEMMs
@@ -368,6 +370,7 @@ def gate_up_act(gate_up: MergedLinear, act: nn.Module, x: torch.Tensor) -> torch
     if gated is not None and not torch.compiler.is_compiling() and x.dim() == 2:
         if SMALL_ROWS is None or x.shape[0] <= SMALL_ROWS:
             return linear_cpu.linear(x, gated)
+        cpu_native.flush()  # torch reads x: calls recorded by cpu_native.deferred run first
         split = getattr(gate_up, "packed_silu", None)
         if split is not None:
             # oneDNN's post-ops (as inductor's CPU linear fusions): SiLU on the gate GEMM's

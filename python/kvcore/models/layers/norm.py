@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvcore_kernels import ops_cpu
+from kvcore_kernels import cpu_native, ops_cpu
 from torch import nn
 
 
@@ -46,6 +46,7 @@ class RMSNorm(nn.Module):
         if not self.offset:  # Llama/Qwen: the kernels' formulation (native in bf16 on a CPU)
             out, res = ops_cpu.rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, res)
+        cpu_native.flush()  # torch reads x: calls recorded by cpu_native.deferred run first
         if residual is not None:
             x = x + residual
             residual = x
