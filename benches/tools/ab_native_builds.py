@@ -12,6 +12,9 @@ sides (``A B`` and ``B A``).
     cd kernels/native && cargo build --release --features python  # then copy lib_native.so
     python benches/tools/ab_native_builds.py A.so B.so --kind shared --threads 1 --pairs 300
 
+Both builds must speak the binding this checkout's ``cpu_native`` calls (``run_calls``, from
+commit f607c7a on); the raw results of 2026-12-06e compared builds of the binding before it.
+
 ``--kind``: ``prefill`` (16 prompts of 128-384 tokens), ``shared`` (8 suffixes of 128-384 tokens
 after a 512-token prefix), or ``BxL`` decode (B requests of L tokens; ``--caches`` sets how
 many caches rotate: 1 keeps them warm). SmolLM2's attention shape: 9 query heads, 3 KV heads,

@@ -25,7 +25,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 MODEL = "/work/peers/vllm_cpu/smollm2-hf"
-HEAVY = ("linear", "paged_attention", "elementwise", "store_kv")
+# ``_native.run_calls`` records by op code; a crossing of one record is named by its op, a
+# crossing of many (``cpu_native.deferred``) "run_calls"
+OPS = {0: "linear", 1: "elementwise", 2: "store_kv", 3: "paged_attention"}
 
 
 def main() -> None:
@@ -60,19 +62,22 @@ def main() -> None:
             fn = getattr(native, name)
             if not callable(fn):
                 return fn
-            if args.pollute and name == "linear":
-                return pollute
-            if (args.stub or args.pollute) and name in HEAVY:
-                return lambda *_a, **_k: None
+            if name == "run_calls" and (args.stub or args.pollute):
+                # every record is heavy: none runs; --pollute copies once per linear record
+                return lambda calls: [pollute() for op, _, _ in calls if op == 0 and args.pollute]
 
             def call(*a: object, **k: object) -> object:
+                label = name
+                if name == "run_calls":
+                    calls = a[0]
+                    label = OPS.get(calls[0][0], "?") if len(calls) == 1 else "run_calls"
                 t0 = time.perf_counter()
                 try:
                     return fn(*a, **k)
                 finally:
                     t1 = time.perf_counter()
-                    spent[name] += t1 - t0
-                    events.append((name, t0, t1))
+                    spent[label] += t1 - t0
+                    events.append((label, t0, t1))
 
             return call
 

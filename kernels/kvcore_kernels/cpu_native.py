@@ -152,6 +152,16 @@ def recording() -> bool:
     return _RECORDING is not None
 
 
+def _call(op: int, ints: list[int], floats: list[float], keep: object) -> None:
+    """One native call: recorded inside ``deferred``, else made now (a ``run_calls`` of one,
+    the same checks and kernels)."""
+    if _RECORDING is not None:
+        _RECORDING.calls.append((op, ints, floats))
+        _RECORDING.keep.append(keep)
+    else:
+        _native.run_calls([(op, ints, floats)])
+
+
 def available() -> bool:
     """Whether the extension is built (``pip install -e ./kernels`` builds it)."""
     return _native is not None
@@ -500,41 +510,23 @@ def run(
     )  # fmt: skip
     if len(work.work) == 0:
         return out
-    if _RECORDING is not None:
-        ints = [
-            query.data_ptr(), query.stride(0), query.stride(1),
-            out.data_ptr(), out.stride(0), out.stride(1), DTYPE_CODES[query.dtype],
-            kv_ptr, fmt, *strides[:3], strides[3], scale_offset,
-            hq, num_kv_heads, d, meta.block_size,
-            work.qsl.ctypes.data, work.seq_lens.ctypes.data, work.table.ctypes.data,
-            work.table.shape[1], int(sliding_window or 0),
-            0 if alibi_slopes is None else alibi_slopes.data_ptr(),
-            0 if fp8_scale is None else fp8_scale.data_ptr(),
-            0 if q_rotation is None else q_rotation.data_ptr(),
-            int(bool(meta.num_released)),
-            work.work.ctypes.data, len(work.work), work.merges.ctypes.data, len(work.merges),
-            work.partial.data_ptr(), work.max_rows,
-            threads, MODES[OPTIONS.mode], _isa(), int(fuse),
-        ]  # fmt: skip
-        _RECORDING.calls.append((_CALL_ATTENTION, ints, [float(scale), float(soft_cap or 0.0)]))
-        _RECORDING.keep.append((query, out, work, alibi_slopes, fp8_scale, q_rotation))
-        return out
-    _native.paged_attention(
+    ints = [
         query.data_ptr(), query.stride(0), query.stride(1),
         out.data_ptr(), out.stride(0), out.stride(1), DTYPE_CODES[query.dtype],
         kv_ptr, fmt, *strides[:3], strides[3], scale_offset,
         hq, num_kv_heads, d, meta.block_size,
         work.qsl.ctypes.data, work.seq_lens.ctypes.data, work.table.ctypes.data,
-        work.table.shape[1],
-        float(scale), int(sliding_window or 0), float(soft_cap or 0.0),
+        work.table.shape[1], int(sliding_window or 0),
         0 if alibi_slopes is None else alibi_slopes.data_ptr(),
         0 if fp8_scale is None else fp8_scale.data_ptr(),
         0 if q_rotation is None else q_rotation.data_ptr(),
-        bool(meta.num_released),
+        int(bool(meta.num_released)),
         work.work.ctypes.data, len(work.work), work.merges.ctypes.data, len(work.merges),
         work.partial.data_ptr(), work.max_rows,
-        threads, MODES[OPTIONS.mode], _isa(), fuse,
-    )  # fmt: skip
+        threads, MODES[OPTIONS.mode], _isa(), int(fuse),
+    ]  # fmt: skip
+    keep = (query, out, work, alibi_slopes, fp8_scale, q_rotation)
+    _call(_CALL_ATTENTION, ints, [float(scale), float(soft_cap or 0.0)], keep)
     return out
 
 
@@ -557,21 +549,13 @@ def store(
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
     slots = slots.contiguous()
     e = kv_cache.element_size()
-    if _RECORDING is not None:
-        ints = [
-            key.data_ptr(), value.data_ptr(), key.stride(0) * e, value.stride(0) * e, hk * d * e,
-            kv_cache.data_ptr(), kv_cache.stride(0) * e, kv_cache.stride(1) * e,
-            kv_cache.stride(2) * e, bs, nb * bs, slots.data_ptr(), n,
-        ]  # fmt: skip
-        _RECORDING.calls.append((_CALL_STORE, ints, []))
-        _RECORDING.keep.append((key, value, kv_cache, slots))
-        return True
+    ints = [
+        key.data_ptr(), value.data_ptr(), key.stride(0) * e, value.stride(0) * e, hk * d * e,
+        kv_cache.data_ptr(), kv_cache.stride(0) * e, kv_cache.stride(1) * e,
+        kv_cache.stride(2) * e, bs, nb * bs, slots.data_ptr(), n,
+    ]  # fmt: skip
     try:
-        _native.store_kv(
-            key.data_ptr(), value.data_ptr(), key.stride(0) * e, value.stride(0) * e, hk * d * e,
-            kv_cache.data_ptr(), kv_cache.stride(0) * e, kv_cache.stride(1) * e,
-            kv_cache.stride(2) * e, bs, nb * bs, slots.data_ptr(), n,
-        )  # fmt: skip
+        _call(_CALL_STORE, ints, [], (key, value, kv_cache, slots))
     except ValueError as err:
         raise KernelConfigError(str(err)) from None
     return True
@@ -586,18 +570,11 @@ def elementwise(
     checked the tensors) on the kernel's threads; ``keep``: the tensors behind the addresses
     (held until a ``deferred`` call has run)."""
     _bind_openmp()
-    if _RECORDING is not None:
-        ints = [
-            op, rows, dim, x, x_stride, y, y_stride, w, out, out_stride, heads, head_stride,
-            torch.get_num_threads(), MODES[OPTIONS.mode], _isa(),
-        ]  # fmt: skip
-        _RECORDING.calls.append((_CALL_ELEMENTWISE, ints, [float(eps)]))
-        _RECORDING.keep.append(keep)
-        return
-    _native.elementwise(
-        op, rows, dim, x, x_stride, y, y_stride, w, out, out_stride, float(eps), heads,
-        head_stride, torch.get_num_threads(), MODES[OPTIONS.mode], _isa(),
-    )  # fmt: skip
+    ints = [
+        op, rows, dim, x, x_stride, y, y_stride, w, out, out_stride, heads, head_stride,
+        torch.get_num_threads(), MODES[OPTIONS.mode], _isa(),
+    ]  # fmt: skip
+    _call(_CALL_ELEMENTWISE, ints, [float(eps)], keep)
 
 
 def argmax_bf16(x: int, rows: int, n: int, stride: int, out: int) -> None:
@@ -634,17 +611,8 @@ def linear(
     ``TALL_ROWS`` (12) rows or more take the blocked GEMM unless ``linear_tall_allowed()`` says
     no. ``keep``: the tensors behind the addresses (held until a ``deferred`` call has run)."""
     _bind_openmp()
-    if _RECORDING is not None:
-        ints = [
-            x, x_stride, rows, k, w, n_out, bias, out, out_stride, torch.get_num_threads(),
-            MODES[OPTIONS.mode], int(_isa() not in _BEST_ISAS), int(glu),
-            int(linear_tall_allowed()),
-        ]  # fmt: skip
-        _RECORDING.calls.append((_CALL_LINEAR, ints, []))
-        _RECORDING.keep.append(keep)
-        return
-    _native.linear(
+    ints = [
         x, x_stride, rows, k, w, n_out, bias, out, out_stride, torch.get_num_threads(),
-        MODES[OPTIONS.mode], _isa() not in _BEST_ISAS, glu,
-        linear_tall_allowed(),
-    )  # fmt: skip
+        MODES[OPTIONS.mode], int(_isa() not in _BEST_ISAS), int(glu), int(linear_tall_allowed()),
+    ]  # fmt: skip
+    _call(_CALL_LINEAR, ints, [], keep)

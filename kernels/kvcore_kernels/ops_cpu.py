@@ -1,5 +1,5 @@
 """Row-wise element-wise ops of a model's forward: the pure-torch formulation (the twin) and, for
-bf16 on the CPU, one native pass each (``_native.elementwise``, ``kernels/native/src/ops.rs``).
+bf16 on the CPU, one native pass each (``cpu_native.elementwise``, ``kernels/native/src/ops.rs``).
 
 In an eager bf16 forward each of these is several torch ops, each a pass over the rows and a
 temporary (RMSNorm after a residual add: add, cast up, normalise, cast down, weight product;

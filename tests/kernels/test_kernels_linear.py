@@ -263,7 +263,9 @@ def test_bad_input_is_refused_and_nothing_is_written(gen):
     before = packed.data.clone()
     assert torch.equal(linear_cpu.linear(x, packed), linear_cpu.linear(x, packed))
     assert torch.equal(packed.data, before)  # the packed weight is only read
-    with pytest.raises(ValueError, match="even"):  # the binding's own checks
-        cpu_native._native.linear(0, 3, 1, 3, 0, 4, 0, 0, 4, 1, 0, False)
+    # the binding's own checks: a linear record (op 0) of x, x_stride, rows, k, w, n_out, bias,
+    # out, out_stride, threads, mode, portable, glu, tall
+    with pytest.raises(ValueError, match="even"):
+        cpu_native._native.run_calls([(0, [0, 3, 1, 3, 0, 4, 0, 0, 4, 1, 0, 0, 0, 1], [])])
     with pytest.raises(ValueError, match="bias"):
-        cpu_native._native.linear(0, 4, 1, 4, 0, 4, 8, 0, 4, 1, 0, False, True)
+        cpu_native._native.run_calls([(0, [0, 4, 1, 4, 0, 4, 8, 0, 4, 1, 0, 0, 1, 1], [])])

@@ -1,113 +1,15 @@
-//! The Python binding: `paged_attention(...)` and `store_kv(...)` over addresses,
-//! `elementwise(...)`, `linear(...)`, `set_gomp_parallel`, `features`, and `run_calls(...)`:
-//! a list of those calls checked first (a bad one runs nothing) and run in order in one
-//! crossing, the GIL released once.
+//! The Python binding. `run_calls(...)` takes native calls over raw addresses (paged
+//! attention, the K/V store, element-wise ops, the linear), checks every one first (a bad one
+//! runs nothing) and runs them in order in one crossing, the GIL released once; one call is a
+//! list of one. Also `argmax_bf16`, `set_gomp_parallel`, `features` and the linear's path probes.
 
 use crate::attend::{Call, Dt, Fmt};
 use crate::pool::{self, Mode};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-/// Paged attention over raw addresses (see `kvcore_kernels.cpu_native` for the meaning of each
-/// argument); releases the GIL. Raises ValueError for an unknown code, RuntimeError on a panic.
-#[pyfunction]
-#[pyo3(signature = (
-    q, q_stride_tok, q_stride_head, out, out_stride_tok, out_stride_head, dtype,
-    kv, fmt, stride_block, stride_tok, stride_head, v_offset, scale_offset,
-    num_q_heads, num_kv_heads, head_dim, block_size,
-    qsl, seq_lens, table, table_stride,
-    scale, window, soft_cap, alibi, fp8_scale, q_rot, released,
-    work, num_items, merges, num_merges, partial, max_rows,
-    threads, mode, isa, fuse_heads
-))]
-#[allow(clippy::too_many_arguments)]
-fn paged_attention(
-    py: Python<'_>,
-    q: usize,
-    q_stride_tok: usize,
-    q_stride_head: usize,
-    out: usize,
-    out_stride_tok: usize,
-    out_stride_head: usize,
-    dtype: u8,
-    kv: usize,
-    fmt: u8,
-    stride_block: usize,
-    stride_tok: usize,
-    stride_head: usize,
-    v_offset: usize,
-    scale_offset: usize,
-    num_q_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    block_size: usize,
-    qsl: usize,
-    seq_lens: usize,
-    table: usize,
-    table_stride: usize,
-    scale: f32,
-    window: i64,
-    soft_cap: f32,
-    alibi: usize,
-    fp8_scale: usize,
-    q_rot: usize,
-    released: bool,
-    work: usize,
-    num_items: usize,
-    merges: usize,
-    num_merges: usize,
-    partial: usize,
-    max_rows: usize,
-    threads: usize,
-    mode: u8,
-    isa: u8,
-    fuse_heads: bool,
-) -> PyResult<()> {
-    let job = attention_job(
-        q,
-        q_stride_tok,
-        q_stride_head,
-        out,
-        out_stride_tok,
-        out_stride_head,
-        dtype,
-        kv,
-        fmt,
-        stride_block,
-        stride_tok,
-        stride_head,
-        v_offset,
-        scale_offset,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        qsl,
-        seq_lens,
-        table,
-        table_stride,
-        scale,
-        window,
-        soft_cap,
-        alibi,
-        fp8_scale,
-        q_rot,
-        released,
-        work,
-        num_items,
-        merges,
-        num_merges,
-        partial,
-        max_rows,
-        threads,
-        mode,
-        isa,
-        fuse_heads,
-    )?;
-    run_jobs(py, vec![job])
-}
-
-/// `paged_attention`'s checks: the call as a job, or the error (nothing run).
+/// A paged-attention call over raw addresses (see `kvcore_kernels.cpu_native.run` for each
+/// argument), checked: the job, or ValueError for an unknown code or shape (nothing run).
 #[allow(clippy::too_many_arguments)]
 fn attention_job(
     q: usize,
@@ -239,57 +141,9 @@ fn prefetch_next() -> bool {
     *ON.get_or_init(|| std::env::var("KVCORE_NATIVE_PREFETCH_NEXT").map_or(true, |v| v != "0"))
 }
 
-/// Write K/V rows into their cache slots (`crate::store`); returns the rows stored. Raises
-/// ValueError, before writing anything, for a slot past the cache's end (a negative slot, like
-/// one in the null block, is not stored: the twin's rule).
-#[pyfunction]
-#[pyo3(signature = (
-    key, value, key_stride, value_stride, row_bytes, cache, stride_block, v_offset,
-    stride_slot, block_size, num_slots, slots, num_tokens
-))]
-#[allow(clippy::too_many_arguments)]
-fn store_kv(
-    py: Python<'_>,
-    key: usize,
-    value: usize,
-    key_stride: usize,
-    value_stride: usize,
-    row_bytes: usize,
-    cache: usize,
-    stride_block: usize,
-    v_offset: usize,
-    stride_slot: usize,
-    block_size: usize,
-    num_slots: usize,
-    slots: usize,
-    num_tokens: usize,
-) -> PyResult<usize> {
-    if block_size == 0 {
-        return Err(PyValueError::new_err("block_size must be positive"));
-    }
-    let slots = unsafe { std::slice::from_raw_parts(slots as *const i64, num_tokens) };
-    if let Some((i, s)) = crate::store::bad_slot(slots, num_slots) {
-        return Err(PyValueError::new_err(format!(
-            "slot {s} (token {i}) is past the cache's {num_slots} slots"
-        )));
-    }
-    let s = crate::store::Store {
-        key: key as *const u8,
-        value: value as *const u8,
-        key_stride,
-        value_stride,
-        row_bytes,
-        cache: cache as *mut u8,
-        stride_block,
-        v_offset,
-        stride_slot,
-        block_size,
-        num_slots,
-    };
-    Ok(py.detach(|| unsafe { crate::store::store(&s, slots) }))
-}
-
-/// `store_kv`'s checks: the call as a job, or the error (nothing written).
+/// A K/V store into cache slots (`crate::store`), checked: the job, or ValueError for a slot
+/// past the cache's end (a negative slot, like one in the null block, is not stored: the
+/// twin's rule), nothing written.
 #[allow(clippy::too_many_arguments)]
 fn store_job(
     key: usize,
@@ -358,54 +212,7 @@ fn mode_of(mode: u8) -> PyResult<Mode> {
 }
 
 /// A row-wise bf16 element-wise op over raw addresses (`kvcore_kernels.ops_cpu` checks the
-/// tensors): op 0 RMSNorm (+ residual), 1 SiLU-and-mul, 2 rotary in place; releases the GIL.
-#[pyfunction]
-#[pyo3(signature = (
-    op, rows, dim, x, x_stride, y, y_stride, w, out, out_stride, eps, heads, head_stride,
-    threads, mode, isa
-))]
-#[allow(clippy::too_many_arguments)]
-fn elementwise(
-    py: Python<'_>,
-    op: u8,
-    rows: usize,
-    dim: usize,
-    x: usize,
-    x_stride: usize,
-    y: usize,
-    y_stride: usize,
-    w: usize,
-    out: usize,
-    out_stride: usize,
-    eps: f32,
-    heads: usize,
-    head_stride: usize,
-    threads: usize,
-    mode: u8,
-    isa: u8,
-) -> PyResult<()> {
-    let job = elementwise_job(
-        op,
-        rows,
-        dim,
-        x,
-        x_stride,
-        y,
-        y_stride,
-        w,
-        out,
-        out_stride,
-        eps,
-        heads,
-        head_stride,
-        threads,
-        mode,
-        isa,
-    )?;
-    run_jobs(py, vec![job])
-}
-
-/// `elementwise`'s checks: the call as a job, or the error.
+/// tensors): op 0 RMSNorm (+ residual), 1 SiLU-and-mul, 2 rotary in place; checked.
 #[allow(clippy::too_many_arguments)]
 fn elementwise_job(
     op: u8,
@@ -465,34 +272,7 @@ fn elementwise_job(
     })
 }
 
-/// Small-batch bf16 linear over a packed weight (`kvcore_kernels.linear_cpu`); releases the GIL.
-#[pyfunction]
-#[pyo3(signature = (x, x_stride, rows, k, w, n_out, bias, out, out_stride, threads, mode, portable, glu=false, tall=true))]
-#[allow(clippy::too_many_arguments)]
-fn linear(
-    py: Python<'_>,
-    x: usize,
-    x_stride: usize,
-    rows: usize,
-    k: usize,
-    w: usize,
-    n_out: usize,
-    bias: usize,
-    out: usize,
-    out_stride: usize,
-    threads: usize,
-    mode: u8,
-    portable: bool,
-    glu: bool,
-    tall: bool,
-) -> PyResult<()> {
-    let job = linear_job(
-        x, x_stride, rows, k, w, n_out, bias, out, out_stride, threads, mode, portable, glu, tall,
-    )?;
-    run_jobs(py, vec![job])
-}
-
-/// `linear`'s checks: the call as a job, or the error.
+/// A small-batch bf16 linear over a packed weight (`kvcore_kernels.linear_cpu`), checked.
 #[allow(clippy::too_many_arguments)]
 fn linear_job(
     x: usize,
@@ -703,11 +483,11 @@ const CALL_STORE: u8 = 2;
 const CALL_ATTENTION: u8 = 3;
 
 /// Many native calls in one crossing: each record is `(op, ints, floats)`, the arguments of
-/// `linear` (op 0), `elementwise` (1), `store_kv` (2) or `paged_attention` (3) in their
-/// positional order, the float ones (`eps`; `scale`, `soft_cap`) in `floats` and every other
-/// one (addresses, sizes, codes, flags as 0 / 1) in `ints`. Every record is checked first, as
-/// its single call would check it, so a bad one raises ValueError with nothing run; then they
-/// run in order with the GIL released. The caller keeps alive whatever the addresses point
+/// `linear_job` (op 0), `elementwise_job` (1), `store_job` (2) or `attention_job` (3) in their
+/// order, the float ones (`eps`; `scale`, `soft_cap`) in `floats` and every other one
+/// (addresses, sizes, codes, flags as 0 / 1) in `ints`. Every record is checked first, so a
+/// bad one raises ValueError with nothing run; then they run in order with the GIL released
+/// (RuntimeError if a kernel panicked). The caller keeps alive whatever the addresses point
 /// into until this returns.
 #[pyfunction]
 fn run_calls(py: Python<'_>, calls: Vec<(u8, Vec<i64>, Vec<f64>)>) -> PyResult<()> {
@@ -838,10 +618,6 @@ fn run_calls(py: Python<'_>, calls: Vec<(u8, Vec<i64>, Vec<f64>)>) -> PyResult<(
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
-    m.add_function(wrap_pyfunction!(store_kv, m)?)?;
-    m.add_function(wrap_pyfunction!(elementwise, m)?)?;
-    m.add_function(wrap_pyfunction!(linear, m)?)?;
     m.add_function(wrap_pyfunction!(argmax_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(linear_fast_path, m)?)?;
     m.add_function(wrap_pyfunction!(linear_avx2_path, m)?)?;
