@@ -3,7 +3,8 @@
 issue 24's workload (48 random prompts of 128-384 tokens, 64 greedy tokens) alternately with
 ``cpu_native.OPTIONS.isa`` set to each choice (``auto`` / ``noamx``: the attention's AMX
 tiles on or off; ``noseg``: on, without the prefill's key segments of ``cols::head_seg``;
-``nodec``: on, with bf16 decode on the AVX-512 tile loop instead of ``dec_amx.rs``), so
+``nodec``: on, with bf16 decode on the AVX-512 tile loop instead of ``dec_amx.rs``;
+``tileloop``: bf16 decode off AMX in the tile loop's two passes instead of ``dec_bf16.rs``), so
 start-up and machine drift fall on both sides alike. Prints each
 round's wall and, per choice, the median and the ratio to the first choice.
 

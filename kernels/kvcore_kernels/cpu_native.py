@@ -178,7 +178,9 @@ class Options:
     # noamx (the best without AMX tiles) | noseg (AMX tiles per key tile,
     # not the prefill's key segments of ``cols::head_seg``; for A/B runs) | nodec (bf16 decode
     # on the AVX-512 tile loop, not AMX's ``dec_amx.rs``; for A/B runs) | onepass (bf16 decode
-    # off AMX with the tile loop's online softmax, not two passes over the keys; for A/B runs)
+    # off AMX with the tile loop's online softmax, not two passes over the keys; for A/B runs) |
+    # tileloop (bf16 decode off AMX in two passes inside the tile loop, not ``dec_bf16.rs``;
+    # the same bits; for A/B runs)
     isa: str = os.environ.get("KVCORE_NATIVE_ISA", "auto")
     split_keys: int | None = None  # tests: split every item into runs of this many keys
     # one task per item for all its KV heads (True), one per KV head (False), or by the code
@@ -198,10 +200,10 @@ OPTIONS = Options()
 # the extension's ISA_BEST / _PORTABLE / _AVX2 / _NO_VNNI / _NO_AMX
 ISA_CODES = {
     "auto": 0, "portable": 1, "avx2": 2, "novnni": 3, "noamx": 4, "noseg": 5, "nodec": 6,
-    "onepass": 7,
+    "onepass": 7, "tileloop": 8,
 }  # fmt: skip
 # the best instance, or it with one A/B switch that leaves the VNNI decode and the linear alone
-_BEST_ISAS = tuple(ISA_CODES[k] for k in ("auto", "noamx", "noseg", "nodec", "onepass"))
+_BEST_ISAS = tuple(ISA_CODES[k] for k in ("auto", "noamx", "noseg", "nodec", "onepass", "tileloop"))
 
 
 def _isa() -> int:

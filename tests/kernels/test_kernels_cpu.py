@@ -227,7 +227,7 @@ def test_quantized_decode_matches_twin_on_both_avx512_paths(
     soft_cap=st.one_of(st.none(), st.floats(1.0, 30.0)),
     split_keys=st.sampled_from([None, 16, 48]),
     release=st.booleans(),
-    isa=st.sampled_from(["auto", "nodec", "onepass"]),
+    isa=st.sampled_from(["auto", "nodec", "onepass", "tileloop"]),
     fuse_heads=st.sampled_from([None, True]),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -238,9 +238,10 @@ def test_bf16_decode_on_amx_tiles_matches_twin(
     """bf16 decode (one query token per request) over a bf16 cache: on a CPU with AMX
     (``isa="auto"``) the scores of a KV head's query rows (up to 16) are tile products over K
     rows read in place, the softmax takes two passes (``dec_amx.rs``); ``"nodec"`` runs the
-    AVX-512 tile loop (on AVX-512 BF16, up to 4 rows per KV head: scores of every tile first,
-    then one softmax and P.V, ``two_pass`` in ``attend.rs``); ``"onepass"`` the tile loop's online
-    softmax; rows over 16 (GQA 17/1) and head dim 48 fall back to it. Against the
+    two-pass decode off AMX (on AVX-512 BF16, up to 4 rows per KV head: scores of every tile
+    first, then one softmax and P.V, ``dec_bf16.rs``; ``"tileloop"`` the same inside the tile
+    loop, ``two_pass`` in ``attend.rs``); ``"onepass"`` the tile loop's online softmax; rows over
+    16 (GQA 17/1) and head dim 48 fall back to it. Against the
     twin: tiles across blocks (block size 8, 12), partial tiles, windows, soft-capping, forced
     splits (the partial path), released blocks (never read: the null block is NaN)."""
     monkeypatch.setattr(cpu_native.OPTIONS, "isa", isa)
@@ -261,6 +262,90 @@ def test_bf16_decode_on_amx_tiles_matches_twin(
     native = kk.paged_attention(b.query, b.kv_cache, meta, **options, backend="cpu", out=out)
     twin = kk.paged_attention(b.query, b.kv_cache, meta, **options, backend="torch")
     _compare(native, twin, torch.bfloat16)
+
+
+def _two_pass_off_amx() -> bool:
+    feats = cpu_native.features()
+    return bool(feats.get("avx512") and feats["avx512_bf16"] and not feats["amx"])
+
+
+@pytest.mark.skipif(
+    not _two_pass_off_amx(),
+    reason="needs AVX-512 BF16 without AMX (where AMX is, `tileloop` runs AMX's decode)",
+)
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    heads=st.sampled_from([(3, 3), (9, 3), (8, 2), (12, 4), (4, 4), (6, 1)]),
+    head_dim=st.sampled_from([32, 64, 96, 128]),
+    block_size=st.sampled_from([8, 12, 16, 32, 64]),
+    ctx=st.lists(st.integers(0, 1200), min_size=1, max_size=5),
+    window=st.one_of(st.none(), st.integers(1, 300)),
+    soft_cap=st.one_of(st.none(), st.floats(1.0, 30.0)),
+    split_keys=st.sampled_from([None, 16, 48, 4096]),
+    release=st.booleans(),
+    fuse_heads=st.sampled_from([None, True, False]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_lean_bf16_decode_is_bit_identical_to_the_tile_loop(
+    heads, head_dim, block_size, ctx, window, soft_cap, split_keys, release, fuse_heads, threads,
+    seed, monkeypatch,
+):  # fmt: skip
+    """``dec_bf16.rs`` (the default bf16 decode off AMX) runs the tile loop's two passes
+    (``isa="tileloop"``) without its bookkeeping: the same products, softmax and P.V in the same
+    order, so the same bits, over segments of more than 32 tiles (contexts to 1,200), tiles
+    across blocks (block size 8, 12), partial tiles, windows (masked tiles kept out of a
+    segment), soft-capping, splits, released blocks, tasks of one or all KV heads and 1-2
+    threads. (On a CPU with AMX both switches would run AMX's decode; the twin test above
+    covers the lean path there with ``nodec``.)"""
+    _lean_vs_tile_loop(heads, head_dim, block_size, ctx, window, soft_cap, split_keys, release,
+                       fuse_heads, threads, seed, monkeypatch)  # fmt: skip
+
+
+@pytest.mark.skipif(not _two_pass_off_amx(), reason="needs AVX-512 BF16 without AMX")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("block_size", "window", "soft_cap", "release"),
+    [(16, None, None, False), (12, None, 5.0, True), (32, 700, None, False), (8, 900, 20.0, True)],
+)
+def test_lean_bf16_decode_is_bit_identical_over_many_segments(
+    block_size, window, soft_cap, release, threads, monkeypatch
+):
+    """Items of more than one segment (32 kept tiles: 512 keys), unsplit: the running max,
+    sum and accumulator rescaled between segments as the tile loop does, bit for bit."""
+    _lean_vs_tile_loop((9, 3), 64, block_size, [1300, 700, 513, 40], window, soft_cap, 4096,
+                       release, None, threads, 7, monkeypatch)  # fmt: skip
+
+
+def _lean_vs_tile_loop(heads, head_dim, block_size, ctx, window, soft_cap, split_keys, release,
+                       fuse_heads, threads, seed, monkeypatch):  # fmt: skip
+    monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", split_keys)
+    monkeypatch.setattr(cpu_native.OPTIONS, "fuse_heads", fuse_heads)
+    gen = torch.Generator().manual_seed(seed)
+    b = make_batch(gen, [(c, 1) for c in ctx], block_size=block_size, num_q_heads=heads[0],
+                   num_kv_heads=heads[1], head_dim=head_dim, dtype=torch.bfloat16)  # fmt: skip
+    table = b.block_table.clone()
+    if release:
+        for r, c in enumerate(ctx):
+            if (c + 1) // block_size >= 3:
+                table[r, 1] = 0  # a released block inside the sequence
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, table, block_size)
+    draw = {"window": window, "soft_cap": soft_cap, "alibi": False, "seed": seed}
+    options = _features(b, draw)
+    outs = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for isa in ("tileloop", "auto"):
+            monkeypatch.setattr(cpu_native.OPTIONS, "isa", isa)
+            out = torch.full_like(b.query, float("nan"))
+            outs.append(kk.paged_attention(b.query, b.kv_cache, meta, **options, backend="cpu",
+                                           out=out))  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
 
 
 @pytest.mark.parametrize("fuse_heads", [False, True])
@@ -373,6 +458,8 @@ def test_heads_fuse_by_default_off_avx512_for_wide_elements_and_on_vnni_for_byte
         monkeypatch.setattr(opts, "isa", isa)
         want = not avx512 or bool(feats["avx512_bf16"])
         assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16) == want
+    monkeypatch.setattr(opts, "isa", "tileloop")  # the same two passes inside the tile loop
+    assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16) == (not avx512 or two_pass)
     monkeypatch.setattr(opts, "isa", "onepass")
     assert cpu_native.fuse_heads_for(cpu_native.FMT_BF16) == (not avx512)
     monkeypatch.setattr(opts, "isa", "auto")

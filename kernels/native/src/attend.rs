@@ -154,6 +154,8 @@ pub struct Call {
     pub dec: bool,
     /// whether bf16 decode items off AMX take two passes over their keys (`lib::run` sets it)
     pub two_pass: bool,
+    /// with `two_pass`: whether eligible items take `dec_bf16.rs` rather than the tile loop
+    pub lean: bool,
 }
 
 unsafe impl Sync for Call {}
@@ -707,6 +709,11 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     #[cfg(target_arch = "x86_64")]
     if S::DPBF16 && F == 1 && crate::dec_amx::eligible(c, ntok, g) {
         return crate::dec_amx::run(c, item, heads, next);
+    }
+    // ... else off AMX, the same two passes without the tile loop's bookkeeping (`dec_bf16.rs`)
+    #[cfg(target_arch = "x86_64")]
+    if S::DPBF16 && F == 1 && crate::dec_bf16::eligible(c, ntok, g) {
+        return crate::dec_bf16::run(c, item, heads, next);
     }
     let (h0, h1) = heads; // this task's KV heads
     let rows = (h1 - h0) * hrows; // head hh's rows start at (hh - h0) * hrows

@@ -159,15 +159,16 @@ unsafe fn zero_store(cc: usize, p: *mut f32, s: usize, store: bool) {
 
 /// The keys of one tile: which are real (in range, block not released), whether all 16 are real
 /// and in one block, and each real key's byte offset of its row in head 0.
-struct TileKeys {
-    real: u16,
-    one_block: bool,
-    off: [usize; W],
+pub(crate) struct TileKeys {
+    pub(crate) real: u16,
+    pub(crate) one_block: bool,
+    pub(crate) off: [usize; W],
 }
 
-/// Walk the block table from (`blk`, `t`) over the next `n` keys (as `attend::run_item`).
+/// Walk the block table from (`blk`, `t`) over the next `n` keys (as `attend::run_item`; also
+/// `dec_bf16.rs`).
 #[inline(always)]
-unsafe fn tile_keys(
+pub(crate) unsafe fn tile_keys(
     c: &Call,
     table: *const i64,
     blk: &mut usize,

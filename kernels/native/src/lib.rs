@@ -31,6 +31,7 @@ pub mod attend;
 pub mod avx2;
 pub mod cols;
 pub mod dec_amx;
+pub mod dec_bf16;
 pub mod linear;
 pub mod ops;
 pub mod pool;
@@ -81,6 +82,9 @@ pub const ISA_NO_DEC: u8 = 6;
 /// The best, with bf16 decode items off AMX on the one-pass online softmax of the tile loop
 /// instead of two passes (`attend::run_item`'s `two_pass`; for A/B runs).
 pub const ISA_ONE_PASS: u8 = 7;
+/// The best, with bf16 decode items off AMX on the tile loop's two passes (`attend::run_item`'s
+/// `two_pass`) instead of `dec_bf16.rs` (bit-identical; for A/B runs).
+pub const ISA_TILE_LOOP: u8 = 8;
 
 /// Whether this CPU has AVX2, FMA and F16C (the `avx2::Avx2` instance).
 pub fn has_avx2() -> bool {
@@ -99,7 +103,13 @@ pub fn has_avx2() -> bool {
 fn pick_isa(isa: u8) -> (bool, bool) {
     let avx512 = matches!(
         isa,
-        ISA_BEST | ISA_NO_VNNI | ISA_NO_AMX | ISA_NO_SEG | ISA_NO_DEC | ISA_ONE_PASS
+        ISA_BEST
+            | ISA_NO_VNNI
+            | ISA_NO_AMX
+            | ISA_NO_SEG
+            | ISA_NO_DEC
+            | ISA_ONE_PASS
+            | ISA_TILE_LOOP
     ) && has_avx512();
     (avx512, !avx512 && isa != ISA_PORTABLE && has_avx2())
 }
@@ -318,7 +328,7 @@ pub unsafe fn run(
     #[cfg(target_arch = "x86_64")]
     let amx = matches!(
         isa,
-        ISA_BEST | ISA_NO_VNNI | ISA_NO_SEG | ISA_NO_DEC | ISA_ONE_PASS
+        ISA_BEST | ISA_NO_VNNI | ISA_NO_SEG | ISA_NO_DEC | ISA_ONE_PASS | ISA_TILE_LOOP
     ) && has_avx512()
         && use_dpbf16()
         && amx::available();
@@ -329,6 +339,7 @@ pub unsafe fn run(
         seg: amx && isa != ISA_NO_SEG,
         dec: amx && isa != ISA_NO_DEC,
         two_pass: isa != ISA_ONE_PASS,
+        lean: isa != ISA_ONE_PASS && isa != ISA_TILE_LOOP,
         ..*c
     };
     let c = &ca;

@@ -121,6 +121,7 @@ fn attention_job(
         seg: false,
         dec: false,
         two_pass: false,
+        lean: false,
     };
     Ok(Job::Attention {
         c,
@@ -194,7 +195,7 @@ fn store_job(
 /// key segments, 6 the best without the AMX decode, 7 the best with bf16 decode items in one
 /// pass (`crate::ISA_*`).
 fn isa_of(isa: u8) -> PyResult<u8> {
-    if isa > crate::ISA_ONE_PASS {
+    if isa > crate::ISA_TILE_LOOP {
         return Err(PyValueError::new_err(format!(
             "unknown instruction-set code {isa}"
         )));
