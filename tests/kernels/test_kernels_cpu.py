@@ -215,6 +215,22 @@ def test_quantized_decode_matches_twin_on_both_avx512_paths(
     _compare(native, twin, torch.bfloat16)
 
 
+def _bf16_decode_batch(heads, head_dim, block_size, ctx, window, soft_cap, release, seed):
+    """A bf16 decode batch (one query token per request of context ``ctx[i]``), its plan (with
+    block 1 of long enough requests released, where ``release``) and attention options."""
+    gen = torch.Generator().manual_seed(seed)
+    b = make_batch(gen, [(c, 1) for c in ctx], block_size=block_size, num_q_heads=heads[0],
+                   num_kv_heads=heads[1], head_dim=head_dim, dtype=torch.bfloat16)  # fmt: skip
+    table = b.block_table.clone()
+    if release:
+        for r, c in enumerate(ctx):
+            if (c + 1) // block_size >= 3:
+                table[r, 1] = 0  # a released block inside the sequence
+    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, table, block_size)
+    draw = {"window": window, "soft_cap": soft_cap, "alibi": False, "seed": seed}
+    return b, meta, _features(b, draw)
+
+
 @settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -247,17 +263,8 @@ def test_bf16_decode_on_amx_tiles_matches_twin(
     monkeypatch.setattr(cpu_native.OPTIONS, "isa", isa)
     monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", split_keys)
     monkeypatch.setattr(cpu_native.OPTIONS, "fuse_heads", fuse_heads)
-    gen = torch.Generator().manual_seed(seed)
-    b = make_batch(gen, [(c, 1) for c in ctx], block_size=block_size, num_q_heads=heads[0],
-                   num_kv_heads=heads[1], head_dim=head_dim, dtype=torch.bfloat16)  # fmt: skip
-    table = b.block_table.clone()
-    if release:
-        for r, c in enumerate(ctx):
-            if (c + 1) // block_size >= 3:
-                table[r, 1] = 0  # a released block inside the sequence
-    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, table, block_size)
-    draw = {"window": window, "soft_cap": soft_cap, "alibi": False, "seed": seed}
-    options = _features(b, draw)
+    b, meta, options = _bf16_decode_batch(heads, head_dim, block_size, ctx, window, soft_cap,
+                                          release, seed)  # fmt: skip
     out = torch.full_like(b.query, float("nan"))
     native = kk.paged_attention(b.query, b.kv_cache, meta, **options, backend="cpu", out=out)
     twin = kk.paged_attention(b.query, b.kv_cache, meta, **options, backend="torch")
@@ -323,17 +330,8 @@ def _lean_vs_tile_loop(heads, head_dim, block_size, ctx, window, soft_cap, split
                        fuse_heads, threads, seed, monkeypatch):  # fmt: skip
     monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", split_keys)
     monkeypatch.setattr(cpu_native.OPTIONS, "fuse_heads", fuse_heads)
-    gen = torch.Generator().manual_seed(seed)
-    b = make_batch(gen, [(c, 1) for c in ctx], block_size=block_size, num_q_heads=heads[0],
-                   num_kv_heads=heads[1], head_dim=head_dim, dtype=torch.bfloat16)  # fmt: skip
-    table = b.block_table.clone()
-    if release:
-        for r, c in enumerate(ctx):
-            if (c + 1) // block_size >= 3:
-                table[r, 1] = 0  # a released block inside the sequence
-    meta = kk.plan_attention(b.query_start_loc, b.seq_lens, table, block_size)
-    draw = {"window": window, "soft_cap": soft_cap, "alibi": False, "seed": seed}
-    options = _features(b, draw)
+    b, meta, options = _bf16_decode_batch(heads, head_dim, block_size, ctx, window, soft_cap,
+                                          release, seed)  # fmt: skip
     outs = []
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

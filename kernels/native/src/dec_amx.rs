@@ -39,8 +39,54 @@ type V = Avx512<true>;
 struct Line([f32; 16]);
 
 thread_local! {
-    /// Scores, query pairs, a gathered K tile, P, per-row sums and accumulators: grown.
+    /// A decode item's scratch (here and in `dec_bf16.rs`; never two at once on a thread):
+    /// scores, query pairs, a gathered K tile, P, per-row sums and accumulators. Grown.
     static BUF: std::cell::RefCell<Vec<Line>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// This thread's `BUF`, grown to at least `floats`, handed out in parts that each start on a
+/// 64-byte line (`take`).
+pub(crate) struct Scratch {
+    buf: *mut f32,
+    at: usize,
+}
+
+impl Scratch {
+    pub(crate) fn new(floats: usize) -> Self {
+        let buf = BUF.with(|cell| {
+            let mut v = cell.borrow_mut();
+            let lines = floats.div_ceil(16);
+            if v.len() < lines {
+                v.resize(lines, Line([0.0; 16]));
+            }
+            v.as_mut_ptr() as *mut f32
+        });
+        Scratch { buf, at: 0 }
+    }
+    /// The next `n` floats (the caller asked `new` for room for every part, each rounded up to
+    /// 16 floats).
+    pub(crate) unsafe fn take(&mut self, n: usize) -> *mut f32 {
+        let p = self.buf.add(self.at);
+        self.at += n.div_ceil(16) * 16;
+        p
+    }
+}
+
+/// The keys of the tile `k0 .. k0 + 16` that a query at `qpos` sees (causal, and within
+/// `window` where it is positive), as lane bits.
+#[inline(always)]
+pub(crate) fn key_mask(qpos: i64, k0: i64, window: i64) -> u16 {
+    let hi = (qpos - k0 + 1).clamp(0, W as i64) as u32;
+    let lo = if window > 0 {
+        (qpos - window + 1 - k0).clamp(0, W as i64) as u32
+    } else {
+        0
+    };
+    if hi > lo {
+        (((1u64 << hi) - 1) & !((1u64 << lo) - 1)) as u16
+    } else {
+        0
+    }
 }
 
 /// Whether `run` takes an item of `ntok` query tokens with `g` query heads per KV head: AMX on
@@ -237,21 +283,8 @@ pub unsafe fn run(
     let (s_n, qt_n, kb_n, pb_n, lv_n, acc_n) =
         (nt * W * g, d / 2 * g, W * d / 2, g * W / 2, g * W, g * d);
     let need = s_n + qt_n + kb_n + pb_n + lv_n + acc_n + d + nt;
-    let buf = BUF.with(|cell| {
-        let mut v = cell.borrow_mut();
-        let lines = need.div_ceil(16) + 8;
-        if v.len() < lines {
-            v.resize(lines, Line([0.0; 16]));
-        }
-        v.as_mut_ptr() as *mut f32
-    });
-    // each part starts on a 64-byte line
-    let mut at = 0usize;
-    let mut take = |n: usize| {
-        let p = buf.add(at);
-        at += n.div_ceil(16) * 16;
-        p
-    };
+    let mut sc = Scratch::new(need + 8 * 16);
+    let mut take = |n: usize| sc.take(n);
     let s = take(s_n);
     let qt = take(qt_n) as *mut u32;
     let kb = take(kb_n) as *mut u16;
@@ -319,18 +352,7 @@ pub unsafe fn run(
                 pf_key = pf_end;
             }
             let tk = tile_keys(c, table, &mut blk, &mut t, n);
-            let hi = (qpos - k0 + 1).clamp(0, W as i64) as u32;
-            let lo = if c.window > 0 {
-                (qpos - c.window + 1 - k0).clamp(0, W as i64) as u32
-            } else {
-                0
-            };
-            let range = if hi > lo {
-                (((1u64 << hi) - 1) & !((1u64 << lo) - 1)) as u16
-            } else {
-                0
-            };
-            let mk = range & tk.real;
+            let mk = key_mask(qpos, k0, c.window) & tk.real;
             *tmask.add(ti) = mk;
             let sd = s.add(ti * W * g);
             if mk == 0 {
@@ -473,29 +495,43 @@ pub unsafe fn run(
         // out (or the split's partial): acc / l
         for r in 0..g {
             let l = Avx512::<true>(_mm512_load_ps(lv.add(r * W))).hsum();
-            let ar = acc.add(r * d);
-            if part >= 0 {
-                let dst = c.partial.add(part as usize + (hh * g + r) * (d + 2));
-                std::ptr::copy_nonoverlapping(ar, dst, d);
-                *dst.add(d) = m[r];
-                *dst.add(d + 1) = l;
-                continue;
-            }
-            let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-            let dst = c
-                .out
-                .add((tok0 * c.out_stride_tok + (hh * g + r) * c.out_stride_head) * 2)
-                as *mut u16;
-            for cc in (0..d).step_by(W) {
-                Avx512::<true>(_mm512_mul_ps(
-                    _mm512_loadu_ps(ar.add(cc)),
-                    _mm512_set1_ps(inv),
-                ))
-                .store_bf16(dst.add(cc));
-            }
+            write_row(c, (tok0, part), hh * g + r, acc.add(r * d), m[r], l);
         }
     }
     asm!("tilerelease", options(nostack, nomem));
+}
+
+/// Query head `qh`'s row of a one-token decode item (token `tok0`): `acc / l` into the bf16
+/// output, or, where the item is a split (`part` >= 0), `(acc, m, l)` into its partial (the
+/// layout `attend::merge` reads). Also `dec_bf16.rs`'s.
+#[inline(always)]
+pub(crate) unsafe fn write_row(
+    c: &Call,
+    (tok0, part): (usize, i64),
+    qh: usize,
+    acc: *const f32,
+    m: f32,
+    l: f32,
+) {
+    let d = c.head_dim;
+    if part >= 0 {
+        let dst = c.partial.add(part as usize + qh * (d + 2));
+        std::ptr::copy_nonoverlapping(acc, dst, d);
+        *dst.add(d) = m;
+        *dst.add(d + 1) = l;
+        return;
+    }
+    let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+    let dst = c
+        .out
+        .add((tok0 * c.out_stride_tok + qh * c.out_stride_head) * 2) as *mut u16;
+    for cc in (0..d).step_by(W) {
+        Avx512::<true>(_mm512_mul_ps(
+            _mm512_loadu_ps(acc.add(cc)),
+            _mm512_set1_ps(inv),
+        ))
+        .store_bf16(dst.add(cc));
+    }
 }
 
 fn gcd(a: usize, b: usize) -> usize {

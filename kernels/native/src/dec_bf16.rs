@@ -31,8 +31,9 @@
 #![cfg(target_arch = "x86_64")]
 
 use crate::attend::{prefetch_keys, Call, Dt, PREFETCH_KEYS};
-use crate::dec_amx::tile_keys;
-use crate::simd::{Avx512, Simd, W};
+use crate::dec_amx::{key_mask, tile_keys, write_row, Scratch};
+use crate::simd::{pv_pairs_rows, Avx512, Simd, W};
+use crate::vnni::Strided;
 use std::arch::x86_64::*;
 
 type V = Avx512<true>;
@@ -50,15 +51,6 @@ const SEG: usize = 32;
 /// (K 2): 1.10-1.14 / 1.16-1.20 / 1.17 / 1.07 / 1.00x.
 const RUN_AHEAD: usize = 2;
 const V_AHEAD: usize = 2;
-
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([f32; 16]);
-
-thread_local! {
-    /// Scores, query pairs, accumulators, row max and sums, P pairs, a zero row: grown.
-    static BUF: std::cell::RefCell<Vec<Line>> = const { std::cell::RefCell::new(Vec::new()) };
-}
 
 /// Whether `run` takes an item of `ntok` query tokens with `g` query heads per KV head: the lean
 /// path on (`c.lean`: not `onepass` nor `tileloop`), bf16 queries, one token, up to 4 rows per
@@ -93,52 +85,6 @@ fn keys_ahead(nh: usize) -> i64 {
     }
     let w = W as i64;
     (PREFETCH_KEYS / nh as i64).max(w) / w * w
-}
-
-/// `acc[x][:] += sum_jp pb[x][jp] . (V[2 jp], V[2 jp + 1])` for `NR` rows over the 16 V rows of
-/// a full one-block tile (`v`, `stride` bytes apart): `Simd::pv_pairs_direct`'s arithmetic in its
-/// order, the rows addressed by their stride.
-#[inline(always)]
-unsafe fn pv_strided<const NR: usize>(
-    acc: *mut f32,
-    pb: *const u32,
-    d: usize,
-    v: *const u8,
-    stride: usize,
-) {
-    let idx_lo = _mm512_set_epi16(
-        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
-        35, 3, 34, 2, 33, 1, 32, 0,
-    );
-    let idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
-    let mut cc = 0;
-    while cc < d {
-        let mut a0 = [_mm512_setzero_ps(); NR];
-        let mut a1 = [_mm512_setzero_ps(); NR];
-        for x in 0..NR {
-            a0[x] = _mm512_loadu_ps(acc.add(x * d + cc));
-            a1[x] = _mm512_loadu_ps(acc.add(x * d + cc + W));
-        }
-        let mut row = v.add(2 * cc);
-        for jp in 0..W / 2 {
-            let va = _mm512_loadu_si512(row as *const _);
-            let vb = _mm512_loadu_si512(row.add(stride) as *const _);
-            row = row.add(2 * stride);
-            let lo: __m512bh = std::mem::transmute(_mm512_permutex2var_epi16(va, idx_lo, vb));
-            let hi: __m512bh = std::mem::transmute(_mm512_permutex2var_epi16(va, idx_hi, vb));
-            for x in 0..NR {
-                let pj: __m512bh =
-                    std::mem::transmute(_mm512_set1_epi32(*pb.add(x * (W / 2) + jp) as i32));
-                a0[x] = _mm512_dpbf16_ps(a0[x], pj, lo);
-                a1[x] = _mm512_dpbf16_ps(a1[x], pj, hi);
-            }
-        }
-        for x in 0..NR {
-            _mm512_storeu_ps(acc.add(x * d + cc), a0[x]);
-            _mm512_storeu_ps(acc.add(x * d + cc + W), a1[x]);
-        }
-        cc += 2 * W;
-    }
 }
 
 /// The scores of one tile and KV head for `NR` query rows: `(q . k) * scale` per key, K's rows at
@@ -262,12 +208,15 @@ unsafe fn flush(
                 e.store_bf16_pairs(pb.add(r * (W / 2)));
             }
             if tile.one_block {
-                let v = vhead.add(tile.off[0]);
+                let v = Strided {
+                    base: vhead.add(tile.off[0]),
+                    stride: c.stride_tok,
+                };
                 match g {
-                    1 => pv_strided::<1>(acch, pb, d, v, c.stride_tok),
-                    2 => pv_strided::<2>(acch, pb, d, v, c.stride_tok),
-                    3 => pv_strided::<3>(acch, pb, d, v, c.stride_tok),
-                    _ => pv_strided::<4>(acch, pb, d, v, c.stride_tok),
+                    1 => pv_pairs_rows::<1, _>(acch, pb, d, &v, W / 2),
+                    2 => pv_pairs_rows::<2, _>(acch, pb, d, &v, W / 2),
+                    3 => pv_pairs_rows::<3, _>(acch, pb, d, &v, W / 2),
+                    _ => pv_pairs_rows::<4, _>(acch, pb, d, &v, W / 2),
                 }
             } else {
                 let mut vrow = [zero_row; W];
@@ -313,21 +262,9 @@ pub unsafe fn run(
     let rows = nh * g;
     // scratch (floats): scores, query pairs, accumulators, max, sums, P pairs, a zero row
     let (s_n, q_n, acc_n) = (SEG * rows * W, rows * d / 2, rows * d);
-    let need = s_n + q_n + acc_n + 2 * rows + 4 * W / 2 + rows * W + d + 7 * 16;
-    let buf = BUF.with(|cell| {
-        let mut v = cell.borrow_mut();
-        let lines = need.div_ceil(16);
-        if v.len() < lines {
-            v.resize(lines, Line([0.0; 16]));
-        }
-        v.as_mut_ptr() as *mut f32
-    });
-    let mut at = 0usize;
-    let mut take = |n: usize| {
-        let p = buf.add(at);
-        at += n.div_ceil(16) * 16; // each part on its own 64-byte line
-        p
-    };
+    let need = s_n + q_n + acc_n + 2 * rows + 4 * W / 2 + rows * W + d + 8 * 16; // 8 parts
+    let mut sc = Scratch::new(need);
+    let mut take = |n: usize| sc.take(n);
     let s = take(s_n);
     let qp = take(q_n) as *mut u32;
     let acc = take(acc_n);
@@ -427,18 +364,7 @@ pub unsafe fn run(
             pblk += 1;
         }
         let tk = tile_keys(c, table, &mut blk, &mut t, n);
-        let hi = (qpos - k0 + 1).clamp(0, W as i64) as u32;
-        let lo = if c.window > 0 {
-            (qpos - c.window + 1 - k0).clamp(0, W as i64) as u32
-        } else {
-            0
-        };
-        let range = if hi > lo {
-            (((1u64 << hi) - 1) & !((1u64 << lo) - 1)) as u16
-        } else {
-            0
-        };
-        let mk = range & tk.real;
+        let mk = key_mask(qpos, k0, c.window) & tk.real;
         if mk != 0 {
             tiles[kept].write(Tile {
                 mk,
@@ -515,32 +441,16 @@ pub unsafe fn run(
 
     // out (or the split's partial): acc / l
     for i in 0..nh {
-        let hh = h0 + i;
         for r in 0..g {
-            let (ar, mr, lr) = (
-                acc.add((i * g + r) * d),
-                *m.add(i * g + r),
-                *l.add(i * g + r),
+            let x = i * g + r;
+            write_row(
+                c,
+                (tok0, part),
+                (h0 + i) * g + r,
+                acc.add(x * d),
+                *m.add(x),
+                *l.add(x),
             );
-            if part >= 0 {
-                let dst = c.partial.add(part as usize + (hh * g + r) * (d + 2));
-                std::ptr::copy_nonoverlapping(ar, dst, d);
-                *dst.add(d) = mr;
-                *dst.add(d + 1) = lr;
-                continue;
-            }
-            let inv = if lr > 0.0 { 1.0 / lr } else { 0.0 };
-            let dst = c
-                .out
-                .add((tok0 * c.out_stride_tok + (hh * g + r) * c.out_stride_head) * 2)
-                as *mut u16;
-            for cc in (0..d).step_by(W) {
-                Avx512::<true>(_mm512_mul_ps(
-                    _mm512_loadu_ps(ar.add(cc)),
-                    _mm512_set1_ps(inv),
-                ))
-                .store_bf16(dst.add(cc));
-            }
         }
     }
 }

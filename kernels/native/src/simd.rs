@@ -418,7 +418,7 @@ impl Simd for Portable {
 // ---------------------------------------------------------------- AVX-512
 
 #[cfg(target_arch = "x86_64")]
-pub use avx::Avx512;
+pub use avx::{pv_pairs_rows, Avx512};
 
 #[cfg(target_arch = "x86_64")]
 mod avx {
@@ -457,15 +457,16 @@ mod avx {
     }
 
     /// `pv_pairs` (`DIRECT` false: key pairs from the re-laid tile `vp`) and `pv_pairs_direct`
-    /// (true: each pair of bf16 V rows `v[2 jp]`, `v[2 jp + 1]` interleaved in registers, two word
-    /// permutes per 32 columns: word 2c of `lo` = a[c], word 2c + 1 = b[c]; `hi` for c + 16).
+    /// (true: each pair of bf16 V rows `v.row(2 jp)`, `v.row(2 jp + 1)` interleaved in registers,
+    /// two word permutes per 32 columns: word 2c of `lo` = a[c], word 2c + 1 = b[c]; `hi` for
+    /// c + 16).
     #[inline(always)]
-    unsafe fn pv_pairs_impl<const NR: usize, const DIRECT: bool>(
+    unsafe fn pv_pairs_impl<const NR: usize, const DIRECT: bool, R: crate::vnni::Rows>(
         acc: *mut f32,
         pb: *const u32,
         d: usize,
         vp: *const u32,
-        v: &[*const u8; W],
+        v: &R,
         njp: usize,
     ) {
         let idx_lo = _mm512_set_epi16(
@@ -484,8 +485,9 @@ mod avx {
             }
             for jp in 0..njp {
                 let (lo, hi) = if DIRECT {
-                    let va = _mm512_loadu_si512((v[2 * jp] as *const u16).add(cc) as *const _);
-                    let vb = _mm512_loadu_si512((v[2 * jp + 1] as *const u16).add(cc) as *const _);
+                    let va = _mm512_loadu_si512((v.row(2 * jp) as *const u16).add(cc) as *const _);
+                    let vb =
+                        _mm512_loadu_si512((v.row(2 * jp + 1) as *const u16).add(cc) as *const _);
                     (
                         _mm512_permutex2var_epi16(va, idx_lo, vb),
                         _mm512_permutex2var_epi16(va, idx_hi, vb),
@@ -511,6 +513,19 @@ mod avx {
             }
             cc += 2 * W;
         }
+    }
+
+    /// `Simd::pv_pairs_direct` over any row addresses (`vnni::Rows`: an array, or a base and a
+    /// stride for a one-block tile, `dec_bf16.rs`). Needs AVX-512 BF16.
+    #[inline(always)]
+    pub unsafe fn pv_pairs_rows<const NR: usize, R: crate::vnni::Rows>(
+        acc: *mut f32,
+        pb: *const u32,
+        d: usize,
+        v: &R,
+        njp: usize,
+    ) {
+        pv_pairs_impl::<NR, true, R>(acc, pb, d, std::ptr::null(), v, njp)
     }
 
     impl<const BF: bool, const VN: bool> Simd for Avx512<BF, VN> {
@@ -546,7 +561,7 @@ mod avx {
             vp: *const u32,
             njp: usize,
         ) {
-            pv_pairs_impl::<NR, false>(acc, pb, d, vp, &[std::ptr::null(); W], njp)
+            pv_pairs_impl::<NR, false, _>(acc, pb, d, vp, &[std::ptr::null(); W], njp)
         }
         #[inline(always)]
         unsafe fn pv_pairs_direct<const NR: usize>(
@@ -556,7 +571,7 @@ mod avx {
             v: &[*const u8; W],
             njp: usize,
         ) {
-            pv_pairs_impl::<NR, true>(acc, pb, d, std::ptr::null(), v, njp)
+            pv_pairs_impl::<NR, true, _>(acc, pb, d, std::ptr::null(), v, njp)
         }
         #[inline(always)]
         unsafe fn qk_pairs<const NR: usize>(
