@@ -261,9 +261,10 @@ def fuse_heads_for(fmt: int, query_dtype: torch.dtype | None = None) -> bool:
 
 
 def _two_pass_decode() -> bool:
-    """Whether bf16 decode items take the two-pass decode (``attend.rs``'s ``two_pass``): the
-    best instance or ``novnni`` (not ``onepass``), AVX-512 BF16, and AMX's decode
-    (``dec_amx.rs``) off: no tiles granted, or ``noamx`` / ``nodec``."""
+    """Whether bf16 decode items take the two-pass decode (``dec_bf16.rs``; with ``tileloop``
+    the same two passes inside ``attend.rs``'s tile loop, ``two_pass``): the best instance or
+    ``novnni`` (not ``onepass``), AVX-512 BF16, and AMX's decode (``dec_amx.rs``) off: no tiles
+    granted, or ``noamx`` / ``nodec``."""
     isa = _isa()
     if isa not in (*_BEST_ISAS, ISA_CODES["novnni"]) or isa == ISA_CODES["onepass"]:
         return False
