@@ -181,7 +181,7 @@ def test_quantized_decode_tiles_match_twin(fmt, block_size, gen, path):
     soft_cap=st.one_of(st.none(), st.floats(1.0, 30.0)),
     alibi=st.booleans(),
     split_keys=st.sampled_from([None, 48]),
-    isa=st.sampled_from(["auto", "novnni"]),
+    isa=st.sampled_from(["auto", "novnni", "tileloop"]),
     fmt=st.sampled_from(["int8", "fp8_e4m3", "fp8_e5m2"]),
     fuse_heads=st.sampled_from([None, False, True]),
     seed=st.integers(0, 2**31 - 1),
@@ -324,6 +324,62 @@ def test_lean_bf16_decode_is_bit_identical_over_many_segments(
     sum and accumulator rescaled between segments as the tile loop does, bit for bit."""
     _lean_vs_tile_loop((9, 3), 64, block_size, [1300, 700, 513, 40], window, soft_cap, 4096,
                        release, None, threads, 7, monkeypatch)  # fmt: skip
+
+
+def _quant_lean() -> bool:
+    feats = cpu_native.features()
+    return bool(_two_pass_off_amx() and feats.get("avx512_vnni"))
+
+
+@pytest.mark.skipif(not _quant_lean(), reason="needs AVX-512 BF16, VNNI and VBMI without AMX")
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    heads=st.sampled_from([(3, 3), (9, 3), (8, 2), (12, 4), (16, 2), (6, 1)]),
+    head_dim=st.sampled_from([64, 128, 256]),
+    block_size=st.sampled_from([8, 12, 16, 32, 64]),
+    ctx=st.lists(st.integers(0, 1300), min_size=1, max_size=4),
+    window=st.one_of(st.none(), st.integers(1, 700)),
+    soft_cap=st.one_of(st.none(), st.floats(1.0, 30.0)),
+    split_keys=st.sampled_from([None, 16, 48, 4096]),
+    release=st.booleans(),
+    fmt=st.sampled_from(["int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_tensor"]),
+    fuse_heads=st.sampled_from([None, True, False]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_lean_quantized_decode_matches_the_twin_and_the_tile_loop(
+    heads, head_dim, block_size, ctx, window, soft_cap, split_keys, release, fmt, fuse_heads,
+    threads, seed, monkeypatch,
+):  # fmt: skip
+    """int8 and fp8 decode on ``dec_lean.rs`` (the default off AMX with VNNI / VBMI: int8 up to
+    8 rows per KV head, fp8 up to 4, else the tile loop): two passes per segment of 32 kept
+    tiles, ``vnni.rs``'s dot products, against the twin and the tile loop's one-pass online
+    softmax (``isa="tileloop"``; the two agree to rounding, not bit for bit): contexts to
+    1,300 (items of several segments), tiles across blocks (block size 8, 12), windows,
+    soft-capping, splits, released blocks (block 0 filled with NaN codes and scales: never
+    read), per-head and per-tensor fp8 scales, tasks of one or all KV heads, 1-2 threads."""
+    monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", split_keys)
+    monkeypatch.setattr(cpu_native.OPTIONS, "fuse_heads", fuse_heads)
+    b, meta, options = _bf16_decode_batch(heads, head_dim, block_size, ctx, window, soft_cap,
+                                          release, seed)  # fmt: skip
+    cache = _quantized(b, fmt)
+    cache.buffer[0] = 255  # the null block: int8 scales and e4m3 / e5m2 codes all NaN
+    outs = {}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for isa in ("tileloop", "auto"):
+            monkeypatch.setattr(cpu_native.OPTIONS, "isa", isa)
+            out = torch.full_like(b.query, float("nan"))
+            outs[isa] = kk.paged_attention(b.query, cache, meta, **options, backend="cpu",
+                                           out=out)  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    twin = kk.paged_attention(b.query, cache, meta, **options, backend="torch")
+    _compare(outs["auto"], twin, torch.bfloat16)
+    _compare(outs["auto"], outs["tileloop"], torch.bfloat16)
 
 
 def _lean_vs_tile_loop(heads, head_dim, block_size, ctx, window, soft_cap, split_keys, release,

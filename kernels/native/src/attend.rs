@@ -154,7 +154,7 @@ pub struct Call {
     pub dec: bool,
     /// whether bf16 decode items off AMX take two passes over their keys (`lib::run` sets it)
     pub two_pass: bool,
-    /// with `two_pass`: whether eligible items take `dec_bf16.rs` rather than the tile loop
+    /// with `two_pass`: whether eligible items take `dec_lean.rs` rather than the tile loop
     pub lean: bool,
 }
 
@@ -710,10 +710,15 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
     if S::DPBF16 && F == 1 && crate::dec_amx::eligible(c, ntok, g) {
         return crate::dec_amx::run(c, item, heads, next);
     }
-    // ... else off AMX, the same two passes without the tile loop's bookkeeping (`dec_bf16.rs`)
+    // ... else off AMX, the same two passes without the tile loop's bookkeeping (`dec_lean.rs`)
     #[cfg(target_arch = "x86_64")]
-    if S::DPBF16 && F == 1 && crate::dec_bf16::eligible(c, ntok, g) {
-        return crate::dec_bf16::run(c, item, heads, next);
+    if S::DPBF16 && F == 1 && crate::dec_lean::eligible::<1>(c, ntok, g) {
+        return crate::dec_lean::run(c, item, heads, next);
+    }
+    // ... and int8 / fp8 decode on VNNI (VBMI) likewise, its dot products `vnni.rs`'s
+    #[cfg(target_arch = "x86_64")]
+    if S::VNNI && F >= 3 && crate::dec_lean::eligible::<F>(c, ntok, g) {
+        return crate::dec_lean::run_quant::<F>(c, item, heads, next);
     }
     let (h0, h1) = heads; // this task's KV heads
     let rows = (h1 - h0) * hrows; // head hh's rows start at (hh - h0) * hrows

@@ -39,7 +39,7 @@ type V = Avx512<true>;
 struct Line([f32; 16]);
 
 thread_local! {
-    /// A decode item's scratch (here and in `dec_bf16.rs`; never two at once on a thread):
+    /// A decode item's scratch (here and in `dec_lean.rs`; never two at once on a thread):
     /// scores, query pairs, a gathered K tile, P, per-row sums and accumulators. Grown.
     static BUF: std::cell::RefCell<Vec<Line>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -212,7 +212,7 @@ pub(crate) struct TileKeys {
 }
 
 /// Walk the block table from (`blk`, `t`) over the next `n` keys (as `attend::run_item`; also
-/// `dec_bf16.rs`).
+/// `dec_lean.rs`).
 #[inline(always)]
 pub(crate) unsafe fn tile_keys(
     c: &Call,
@@ -503,7 +503,7 @@ pub unsafe fn run(
 
 /// Query head `qh`'s row of a one-token decode item (token `tok0`): `acc / l` into the bf16
 /// output, or, where the item is a split (`part` >= 0), `(acc, m, l)` into its partial (the
-/// layout `attend::merge` reads). Also `dec_bf16.rs`'s.
+/// layout `attend::merge` reads). Also `dec_lean.rs`'s.
 #[inline(always)]
 pub(crate) unsafe fn write_row(
     c: &Call,

@@ -31,7 +31,7 @@ pub mod attend;
 pub mod avx2;
 pub mod cols;
 pub mod dec_amx;
-pub mod dec_bf16;
+pub mod dec_lean;
 pub mod linear;
 pub mod ops;
 pub mod pool;
@@ -83,7 +83,7 @@ pub const ISA_NO_DEC: u8 = 6;
 /// instead of two passes (`attend::run_item`'s `two_pass`; for A/B runs).
 pub const ISA_ONE_PASS: u8 = 7;
 /// The best, with bf16 decode items off AMX on the tile loop's two passes (`attend::run_item`'s
-/// `two_pass`) instead of `dec_bf16.rs` (bit-identical; for A/B runs).
+/// `two_pass`) instead of `dec_lean.rs` (bit-identical; for A/B runs).
 pub const ISA_TILE_LOOP: u8 = 8;
 
 /// Whether this CPU has AVX2, FMA and F16C (the `avx2::Avx2` instance).

@@ -516,7 +516,7 @@ mod avx {
     }
 
     /// `Simd::pv_pairs_direct` over any row addresses (`vnni::Rows`: an array, or a base and a
-    /// stride for a one-block tile, `dec_bf16.rs`). Needs AVX-512 BF16.
+    /// stride for a one-block tile, `dec_lean.rs`). Needs AVX-512 BF16.
     #[inline(always)]
     pub unsafe fn pv_pairs_rows<const NR: usize, R: crate::vnni::Rows>(
         acc: *mut f32,
