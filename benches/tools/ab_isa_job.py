@@ -4,11 +4,13 @@ issue 24's workload (48 random prompts of 128-384 tokens, 64 greedy tokens) alte
 ``cpu_native.OPTIONS.isa`` set to each choice (``auto`` / ``noamx``: the attention's AMX
 tiles on or off; ``noseg``: on, without the prefill's key segments of ``cols::head_seg``;
 ``nodec``: on, with bf16 decode on the AVX-512 tile loop instead of ``dec_amx.rs``;
-``tileloop``: bf16 decode off AMX in the tile loop's two passes instead of ``dec_bf16.rs``), so
+``tileloop``: decode off AMX in the tile loop instead of ``dec_lean.rs``: bf16 in its two
+passes, int8 / fp8 in its one-pass online softmax), so
 start-up and machine drift fall on both sides alike. Prints each
 round's wall and, per choice, the median and the ratio to the first choice.
 
     python benches/tools/ab_isa_job.py --threads 1 --isa auto noamx --rounds 3 [--seeds 0 1 2]
+    python benches/tools/ab_isa_job.py --threads 1 --isa auto tileloop --kv-format int8
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model-dir", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--kv-format", default="auto", help="the KV cache's format: auto, int8, ...")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kw = {"model": args.model_dir} if args.model_dir else {}
     llm = LLM(**kw, dtype="bfloat16", num_blocks=4096, max_num_batched_tokens=2048,
-              enforce_eager=True, prefix_caching="off")  # fmt: skip
+              enforce_eager=True, prefix_caching="off", kv_format=args.kv_format)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate([[5] * 40, [6] * 300], SamplingParams(max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # fmt: skip

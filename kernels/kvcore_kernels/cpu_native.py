@@ -179,8 +179,8 @@ class Options:
     # not the prefill's key segments of ``cols::head_seg``; for A/B runs) | nodec (bf16 decode
     # on the AVX-512 tile loop, not AMX's ``dec_amx.rs``; for A/B runs) | onepass (bf16 decode
     # off AMX with the tile loop's online softmax, not two passes over the keys; for A/B runs) |
-    # tileloop (bf16 decode off AMX in two passes inside the tile loop, not ``dec_bf16.rs``;
-    # the same bits; for A/B runs)
+    # tileloop (decode off AMX inside the tile loop, not ``dec_lean.rs``: bf16 in two passes,
+    # the same bits; int8 / fp8 in one pass, the same to rounding; for A/B runs)
     isa: str = os.environ.get("KVCORE_NATIVE_ISA", "auto")
     split_keys: int | None = None  # tests: split every item into runs of this many keys
     # one task per item for all its KV heads (True), one per KV head (False), or by the code
@@ -261,7 +261,7 @@ def fuse_heads_for(fmt: int, query_dtype: torch.dtype | None = None) -> bool:
 
 
 def _two_pass_decode() -> bool:
-    """Whether bf16 decode items take the two-pass decode (``dec_bf16.rs``; with ``tileloop``
+    """Whether bf16 decode items take the two-pass decode (``dec_lean.rs``; with ``tileloop``
     the same two passes inside ``attend.rs``'s tile loop, ``two_pass``): the best instance or
     ``novnni`` (not ``onepass``), AVX-512 BF16, and AMX's decode (``dec_amx.rs``) off: no tiles
     granted, or ``noamx`` / ``nodec``."""

@@ -255,7 +255,7 @@ def test_bf16_decode_on_amx_tiles_matches_twin(
     (``isa="auto"``) the scores of a KV head's query rows (up to 16) are tile products over K
     rows read in place, the softmax takes two passes (``dec_amx.rs``); ``"nodec"`` runs the
     two-pass decode off AMX (on AVX-512 BF16, up to 4 rows per KV head: scores of every tile
-    first, then one softmax and P.V, ``dec_bf16.rs``; ``"tileloop"`` the same inside the tile
+    first, then one softmax and P.V, ``dec_lean.rs``; ``"tileloop"`` the same inside the tile
     loop, ``two_pass`` in ``attend.rs``); ``"onepass"`` the tile loop's online softmax; rows over
     16 (GQA 17/1) and head dim 48 fall back to it. Against the
     twin: tiles across blocks (block size 8, 12), partial tiles, windows, soft-capping, forced
@@ -300,7 +300,7 @@ def test_lean_bf16_decode_is_bit_identical_to_the_tile_loop(
     heads, head_dim, block_size, ctx, window, soft_cap, split_keys, release, fuse_heads, threads,
     seed, monkeypatch,
 ):  # fmt: skip
-    """``dec_bf16.rs`` (the default bf16 decode off AMX) runs the tile loop's two passes
+    """``dec_lean.rs`` (the default bf16 decode off AMX) runs the tile loop's two passes
     (``isa="tileloop"``) without its bookkeeping: the same products, softmax and P.V in the same
     order, so the same bits, over segments of more than 32 tiles (contexts to 1,200), tiles
     across blocks (block size 8, 12), partial tiles, windows (masked tiles kept out of a

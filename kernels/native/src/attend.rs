@@ -27,7 +27,9 @@
 //! on AVX-512 BF16 takes two passes per 512-key segment (`two_pass`): the tile loop keeps each
 //! tile's scores and V row addresses (thread-local, grown, never freed), then per row one max
 //! and rescale per segment, and per tile exp, P in bf16 pairs and P.V: no per-tile horizontal
-//! max and sum, scalar `exp` or accumulator rescale.
+//! max and sum, scalar `exp` or accumulator rescale. Such bf16 decode items, and int8 / fp8
+//! ones on AVX-512 VNNI / VBMI, run those two passes out of this loop, in `dec_lean.rs` (the
+//! loop's own paths stay for A/B runs, `KVCORE_NATIVE_ISA=tileloop`, and other items).
 //!
 //! Without either (AVX2), an item with at most `DIRECT_MAX_ROWS` rows per KV head (decode) and
 //! any cache format skips the K tile's transpose: `qk_direct` dots each query row

@@ -82,8 +82,9 @@ pub const ISA_NO_DEC: u8 = 6;
 /// The best, with bf16 decode items off AMX on the one-pass online softmax of the tile loop
 /// instead of two passes (`attend::run_item`'s `two_pass`; for A/B runs).
 pub const ISA_ONE_PASS: u8 = 7;
-/// The best, with bf16 decode items off AMX on the tile loop's two passes (`attend::run_item`'s
-/// `two_pass`) instead of `dec_lean.rs` (bit-identical; for A/B runs).
+/// The best, with decode items off AMX on the tile loop instead of `dec_lean.rs` (for A/B runs):
+/// bf16 on its two passes (`attend::run_item`'s `two_pass`; bit-identical), int8 / fp8 on its
+/// one-pass online softmax (the same to rounding).
 pub const ISA_TILE_LOOP: u8 = 8;
 
 /// Whether this CPU has AVX2, FMA and F16C (the `avx2::Avx2` instance).

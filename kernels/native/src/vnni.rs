@@ -1,6 +1,7 @@
 //! Quantized decode on AVX-512 VNNI / VBMI. int8: scores and P.V as integer dot products of the
 //! int8 codes, no conversion of K or V to bf16 or fp32 (`attend::run_item` takes it for items
-//! of at most `MAX_ROWS` rows per KV head over an int8 cache, with bf16 queries). fp8 (`fp8_*`,
+//! of at most `MAX_ROWS` rows per KV head over an int8 cache, with bf16 queries; decode items
+//! run these products in `dec_lean.rs`'s two passes, others in the tile loop). fp8 (`fp8_*`,
 //! at most 4 rows): each code, put in the high byte of a word by a byte shuffle, becomes a bf16
 //! by a shift and a mask (`fp8_words`: the value times a power of two, undone outside the dot
 //! products; subnormal codes read as zero), then the bf16 pair dot products: K transposed as
