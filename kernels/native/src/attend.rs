@@ -341,7 +341,7 @@ fn elem_bytes(f: u8) -> usize {
 /// decode 2-8 % slower; AVX-512 BF16 on a Zen 4, cold decode **2x slower** (1 x 16K 2.78 ->
 /// 1.40 ms, 64 x 512 5.65 -> 2.85 ms; prefill unchanged).
 #[inline(always)]
-unsafe fn prefetch_row(p: *const u8, bytes: usize) {
+pub(crate) unsafe fn prefetch_row(p: *const u8, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};

@@ -41,7 +41,7 @@
 
 #![cfg(target_arch = "x86_64")]
 
-use crate::attend::{prefetch_keys, Call, Dt, PREFETCH_KEYS};
+use crate::attend::{prefetch_keys, prefetch_row, Call, Dt, PREFETCH_KEYS};
 use crate::dec_amx::{key_mask, tile_keys, write_row, Scratch, TileKeys};
 use crate::simd::{fp8_bias, pv_pairs_rows, Avx512, Simd, FP8_PRE, W};
 use crate::vnni::{self, Rows, Strided};
@@ -187,8 +187,8 @@ unsafe fn flush<const F: u8>(
             *m.add(hq0 + r) = m_new;
         }
     }
-    // per tile, every head: a full tile's V rows, a contiguous run over the heads, are read in
-    // address order; the run `V_AHEAD` tiles on is prefetched a head's share at a time
+    // per tile, every head (bf16: a full tile's V rows, a contiguous run over the heads, are read
+    // in address order; the run `V_AHEAD` tiles on is prefetched a head's share at a time)
     let head0 = c.kv.add(h0 * c.stride_head + c.v_offset);
     let rows = nh * g;
     std::ptr::write_bytes(rsum, 0, rows * W);
@@ -324,12 +324,7 @@ unsafe fn pv_quant<const F: u8, R: Rows>(
 #[inline(always)]
 unsafe fn prefetch_rows(p: *const u8, c: &Call, row_bytes: usize) {
     for j in 0..W {
-        let r = p.add(j * c.stride_tok);
-        let mut o = 0;
-        while o < row_bytes {
-            _mm_prefetch::<_MM_HINT_T1>(r.add(o) as *const i8);
-            o += 64;
-        }
+        prefetch_row(p.add(j * c.stride_tok), row_bytes);
     }
 }
 
