@@ -1232,7 +1232,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                         let (qm, pr) =
                             (qmeta.as_ptr().add(3 * (hq0 + r)), p.as_mut_ptr().add(r * W));
                         if strided {
-                            let k = crate::vnni::Strided {
+                            let k = crate::vnni::Strided::<0> {
                                 base: r0,
                                 stride: c.stride_tok,
                             };
@@ -1252,7 +1252,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                     let pr = p.as_mut_ptr().add(r_lo * W);
                     let n = r_hi - r_lo;
                     if strided {
-                        let k = crate::vnni::Strided {
+                        let k = crate::vnni::Strided::<0> {
                             base: r0,
                             stride: c.stride_tok,
                         };
@@ -1450,7 +1450,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 let (ar, pr) = (acch.add(r_lo * d), pb.add(r_lo * (W / 2)) as *const u32);
                 let (n, njp) = (r_hi - r_lo, nk.div_ceil(2));
                 if strided {
-                    let v = crate::vnni::Strided {
+                    let v = crate::vnni::Strided::<0> {
                         base: r0.add(c.v_offset),
                         stride: c.stride_tok,
                     };
@@ -1469,7 +1469,7 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                         let nr = (r_hi - r).min(crate::vnni::NR_MAX);
                         let (ar, pr) = (acch.add(r * d), p.as_ptr().add(r * W));
                         if strided {
-                            let v = crate::vnni::Strided {
+                            let v = crate::vnni::Strided::<0> {
                                 base: r0.add(c.v_offset),
                                 stride: c.stride_tok,
                             };

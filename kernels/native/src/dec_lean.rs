@@ -9,14 +9,15 @@
 //!            one broadcast bf16-pair dot product per row and pair; int8: `vnni::qk`'s integer
 //!            dot products, times the keys' scales; fp8: `vnni::fp8_qk`), scaled, soft-capped,
 //!            masked and kept (int8: the keys' V scales kept too). The K lines of the tile
-//!            `RUN_AHEAD` tiles on are prefetched a KV head's share at a time.
+//!            `RUN_AHEAD` tiles on are prefetched a KV head's share at a time (int8 / fp8:
+//!            `Q_AHEAD` tiles on; fp8 its V lines too).
 //!   max      per row over the segment; the running max, sum and accumulator rescaled once if
 //!            the max rose
 //!   pass 2   per tile, then KV head: `exp` against the max, then P.V on V read in place (bf16:
 //!            P in bf16 pairs, V rows paired in registers; int8: P times the V scales,
 //!            `vnni::pv`; fp8: P in bf16 pairs, `vnni::fp8_pv`), a full one-block tile's rows
 //!            addressed by their stride; V's lines `V_AHEAD` tiles on prefetched a head's share
-//!            at a time.
+//!            at a time (int8: `QV_AHEAD`; fp8: none, see pass 1).
 //!
 //! For a bf16 cache the arithmetic and its order are those of `attend::run_item`'s two-pass path
 //! (`two_pass`, `two_pass_flush`), so the outputs are bit-identical to it
@@ -29,6 +30,9 @@
 //! bookkeeping was ~40 % of a bf16 decode tile there), and, for int8 / fp8, the horizontal max,
 //! sum, scalar `exp` and rescale per tile and row; and V is prefetched for pass 2 in pass 2
 //! (see `V_AHEAD`).
+//!
+//! int8 / fp8 items whose row stride is 64 or 128 bytes run an instance with that stride
+//! compiled in (`run_quant`): the row addresses become immediate offsets.
 //!
 //! Invariants: the caller checked `eligible` and holds a cache of format `F`; a key outside the
 //! range, the window or a released block scores -inf and is read as a zero row by P.V (a
@@ -63,9 +67,12 @@ const SEG: usize = 32;
 const RUN_AHEAD: usize = 2;
 const V_AHEAD: usize = 2;
 
-/// int8 / fp8 rows are half a bf16 row: their K and V rows are prefetched `Q_AHEAD` tiles on in
-/// pass 1 and `QV_AHEAD` kept tiles on in pass 2, a head's rows at a time (a head's rows of a
-/// block are adjacent in those caches).
+/// int8 / fp8 rows are half a bf16 row: their K rows are prefetched `Q_AHEAD` tiles on in pass
+/// 1, a head's rows at a time (a head's rows of a block are adjacent in those caches); int8's V
+/// rows `QV_AHEAD` kept tiles on in pass 2, fp8's in pass 1 with the K rows. Measured on a Zen
+/// 4 (1 thread, each call after another format's, so its bytes come from DRAM), fp8's V in
+/// pass 1 against pass 2: 8 x 16K 1.10x, 8 x 4K 1.04x, 1 x 16K 0.99x, 48 x 288 0.97x (after
+/// a 64 MB copy, 8 x 4K: 1.04x at 1 thread, 1.07x at 2); int8's: 0.96-0.97x.
 const Q_AHEAD: usize = 4;
 const QV_AHEAD: usize = 4;
 
@@ -155,7 +162,7 @@ unsafe fn scores<const NR: usize>(
 /// (`W` per tile and head); `pb`: room for P of `g` rows (`g` `W` floats).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn flush<const F: u8>(
+unsafe fn flush<const F: u8, const S: usize>(
     c: &Call,
     tiles: &[Tile],
     (s, vsc): (*const f32, *const f32),
@@ -202,10 +209,10 @@ unsafe fn flush<const F: u8>(
         }
     }
     let row_bytes = c.head_dim * if F == 1 { 2 } else { 1 };
-    if F != 1 {
+    if F == 3 {
         for tile in tiles.iter().take(QV_AHEAD).filter(|t| t.one_block) {
             for i in 0..nh {
-                prefetch_rows(head0.add(i * c.stride_head + tile.off[0]), c, row_bytes);
+                prefetch_rows::<S>(head0.add(i * c.stride_head + tile.off[0]), c, row_bytes);
             }
         }
     }
@@ -217,7 +224,7 @@ unsafe fn flush<const F: u8>(
             .map(|x| c.kv.add(x.off[0] + c.v_offset));
         let qpf = tiles
             .get(t + QV_AHEAD)
-            .filter(|x| F != 1 && x.one_block)
+            .filter(|x| F == 3 && x.one_block)
             .map(|x| head0.add(x.off[0]));
         for i in 0..nh {
             if let Some(v) = pf {
@@ -226,7 +233,7 @@ unsafe fn flush<const F: u8>(
                 }
             }
             if let Some(v) = qpf {
-                prefetch_rows(v.add(i * c.stride_head), c, row_bytes);
+                prefetch_rows::<S>(v.add(i * c.stride_head), c, row_bytes);
             }
             let hq0 = i * g;
             let acch = acc.add(hq0 * d);
@@ -256,7 +263,7 @@ unsafe fn flush<const F: u8>(
                 }
             }
             if tile.one_block {
-                let v = Strided {
+                let v = Strided::<S> {
                     base: vhead.add(tile.off[0]),
                     stride: c.stride_tok,
                 };
@@ -322,9 +329,10 @@ unsafe fn pv_quant<const F: u8, R: Rows>(
 
 /// Prefetch the 16 rows of `row_bytes` from `p`, `c.stride_tok` apart (into L2).
 #[inline(always)]
-unsafe fn prefetch_rows(p: *const u8, c: &Call, row_bytes: usize) {
+unsafe fn prefetch_rows<const S: usize>(p: *const u8, c: &Call, row_bytes: usize) {
+    let stride = if S != 0 { S } else { c.stride_tok };
     for j in 0..W {
-        prefetch_row(p.add(j * c.stride_tok), row_bytes);
+        prefetch_row(p.add(j * stride), row_bytes);
     }
 }
 
@@ -340,11 +348,16 @@ pub unsafe fn run(
     heads: (usize, usize),
     next: Option<(usize, (usize, usize))>,
 ) {
-    run_impl::<1>(c, item, heads, next)
+    run_impl::<1, 0>(c, item, heads, next)
 }
 
 /// One int8 (`F` = 3) or fp8 (4, 5) decode item, as `run`; inlined into `attend::run_item`'s
-/// VNNI (int8) and VBMI (fp8) instances, whose target features it needs.
+/// VNNI (int8) and VBMI (fp8) instances, whose target features it needs. A row stride of 64
+/// or 128 bytes (head dim 64 or 128: these caches keep a head's rows of a block together) is
+/// compiled in (`run_impl`'s `S`, `Strided<S>`). Read at run time, it left the compiler keeping
+/// each tile's row offsets (K, V, prefetches) in stack slots, reloaded per tile: on a Zen 4, 8 x
+/// 2K decode (warm, 1 thread) took 0.736 ms for fp8 and 0.598 for int8, against 0.528 and
+/// 0.487 compiled in.
 ///
 /// # Safety
 /// `eligible::<F>(c, 1, g)`, a cache of format `F`, AVX-512 BF16 and VNNI (and VBMI for fp8)
@@ -356,7 +369,11 @@ pub unsafe fn run_quant<const F: u8>(
     heads: (usize, usize),
     next: Option<(usize, (usize, usize))>,
 ) {
-    run_impl::<F>(c, item, heads, next)
+    match c.stride_tok {
+        64 => run_impl::<F, 64>(c, item, heads, next),
+        128 => run_impl::<F, 128>(c, item, heads, next),
+        _ => run_impl::<F, 0>(c, item, heads, next),
+    }
 }
 
 /// int8: the K and V scales of the tile's keys in head `hh` (its first key at block-table index
@@ -399,7 +416,7 @@ unsafe fn int8_scales(
 }
 
 #[inline(always)]
-unsafe fn run_impl<const F: u8>(
+unsafe fn run_impl<const F: u8, const S: usize>(
     c: &Call,
     item: usize,
     heads: (usize, usize),
@@ -596,7 +613,12 @@ unsafe fn run_impl<const F: u8>(
                     }
                 } else {
                     // this head's K rows (int8: and the tile's scales)
-                    prefetch_rows(kb.add((h0 + i) * c.stride_head), c, row_bytes);
+                    prefetch_rows::<S>(kb.add((h0 + i) * c.stride_head), c, row_bytes);
+                    if F != 3 {
+                        // fp8: and its V rows (`Q_AHEAD`)
+                        let vb = kb.add((h0 + i) * c.stride_head + c.v_offset);
+                        prefetch_rows::<S>(vb, c, row_bytes);
+                    }
                     if let Some(sp) = pf_scales {
                         let sp = sp.add((h0 + i) * c.stride_head);
                         _mm_prefetch::<_MM_HINT_T1>(sp as *const i8);
@@ -612,7 +634,7 @@ unsafe fn run_impl<const F: u8>(
             if tk.one_block {
                 let r0 = head.add(tk.off[0]);
                 for (j, x) in krow.iter_mut().enumerate() {
-                    *x = r0.add(j * c.stride_tok);
+                    *x = r0.add(j * if S != 0 { S } else { c.stride_tok });
                 }
             } else {
                 for (j, x) in krow.iter_mut().enumerate() {
@@ -646,7 +668,7 @@ unsafe fn run_impl<const F: u8>(
                         let (qh, ql) = (q8h.add(x * d) as *const i8, q8l.add(x * d) as *const i8);
                         let meta = qmeta.add(3 * x) as *const f32;
                         if tk.one_block {
-                            let k = Strided {
+                            let k = Strided::<S> {
                                 base: krow[0],
                                 stride: c.stride_tok,
                             };
@@ -661,7 +683,7 @@ unsafe fn run_impl<const F: u8>(
                     let q = qp.add(i * g * d / 2) as *const u32;
                     let qs = c.scale * fp8_scale(i, 0) * fp8_post;
                     if tk.one_block {
-                        let k = Strided {
+                        let k = Strided::<S> {
                             base: krow[0],
                             stride: c.stride_tok,
                         };
@@ -693,7 +715,7 @@ unsafe fn run_impl<const F: u8>(
         if kept == SEG || (k0 >= key_hi && kept > 0) {
             // SAFETY: tiles[..kept] were written above, in this segment
             let kept_tiles = std::slice::from_raw_parts(tiles.as_ptr() as *const Tile, kept);
-            flush::<F>(
+            flush::<F, S>(
                 c,
                 kept_tiles,
                 (s, vsc),

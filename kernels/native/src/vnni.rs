@@ -27,7 +27,8 @@
 //! shuffles (transpose) + 32 `vpshufb` + 64 shift / and + 32 R `vdpbf16ps` (K); per 2 keys 4
 //! `vpermt2b` + 8 shift / and + 4 R `vdpbf16ps` (V); no stores.
 //! K and V rows come as a `Rows`: an array of 16 addresses, or a first row and a stride when a
-//! tile's keys fill one block (`Strided`: no address array stored and reloaded per tile).
+//! tile's keys fill one block (`Strided`: no address array stored and reloaded per tile; its
+//! stride a constant where the caller compiled one in).
 
 #![cfg(target_arch = "x86_64")]
 
@@ -55,17 +56,18 @@ impl Rows for [*const u8; W] {
     }
 }
 
-/// Rows `base + j * stride`.
+/// Rows `base + j * stride`, the stride `S` bytes when `S` is not 0 (known when compiled: the
+/// row addresses are immediate offsets of `base`) or `stride` (read at run time).
 #[derive(Clone, Copy)]
-pub struct Strided {
+pub struct Strided<const S: usize> {
     pub base: *const u8,
     pub stride: usize,
 }
 
-impl Rows for Strided {
+impl<const S: usize> Rows for Strided<S> {
     #[inline(always)]
     unsafe fn row(&self, j: usize) -> *const u8 {
-        self.base.add(j * self.stride)
+        self.base.add(j * if S != 0 { S } else { self.stride })
     }
 }
 
@@ -663,7 +665,7 @@ mod tests {
             .map(|i| (((i * 131 + 7) % 112) as u8 + 8) | ((i as u8 & 1) << 7))
             .collect();
         let base = buf[5..].as_ptr(); // not 64-byte aligned
-        let strided = Strided { base, stride };
+        let strided = Strided::<0> { base, stride };
         let arr: [*const u8; W] = std::array::from_fn(|j| unsafe { base.add(j * stride) });
         let q: Vec<f32> = (0..d)
             .map(|e| ((e * 29 % 17) as f32 - 8.0) * 0.21)
