@@ -887,7 +887,8 @@ pub unsafe fn run_item<S: Simd, const F: u8>(
                 }
                 if vnni {
                     #[cfg(target_arch = "x86_64")]
-                    qmeta[3 * r..3 * r + 3].copy_from_slice(&crate::vnni::quantize_q(
+                    // SAFETY: `vnni` only on the AVX-512 VNNI instance
+                    qmeta[3 * r..3 * r + 3].copy_from_slice(&crate::vnni::quantize_q_avx512(
                         dst,
                         std::slice::from_raw_parts_mut(q8h.add(r * d), d),
                         std::slice::from_raw_parts_mut(q8l.add(r * d), d),

@@ -473,11 +473,13 @@ unsafe fn run_impl<const F: u8, const S: usize>(
             match F {
                 1 => std::ptr::copy_nonoverlapping(row as *const u32, qp.add(x * d / 2), d / 2),
                 3 => {
-                    let qr = std::slice::from_raw_parts_mut(qf, d);
-                    for (e, y) in qr.iter_mut().enumerate() {
-                        *y = crate::simd::bf16_to_f32(*row.add(e)) * c.scale;
+                    for e in (0..d).step_by(W) {
+                        V::load_bf16(row.add(e))
+                            .mul(V::splat(c.scale))
+                            .store(qf.add(e));
                     }
-                    let meta = vnni::quantize_q(
+                    let qr = std::slice::from_raw_parts(qf, d);
+                    let meta = vnni::quantize_q_avx512(
                         qr,
                         std::slice::from_raw_parts_mut(q8h.add(x * d), d),
                         std::slice::from_raw_parts_mut(q8l.add(x * d), d),

@@ -99,6 +99,78 @@ fn quantize_parts(q: &[f32], hi: &mut [i8], lo: &mut [i8]) -> (f32, i32, i32) {
     (mx / 127.0, 128 * sh, 128 * sl)
 }
 
+/// `quantize_q` on AVX-512, 16 dimensions a step, the same codes and meta: `f32::round`'s
+/// half-away-from-zero rounding (truncate, then one step away from zero where the dropped part
+/// is at least 0.5), the same clamps and sums. A row of length not a multiple of 16, all
+/// zeros, or holding a NaN or an infinity goes to `quantize_q`. The scalar loop (with a `roundf`
+/// call per element) was a third of an int8 decode item's time at 48 x 288 keys.
+///
+/// # Safety
+/// AVX-512 F on this CPU.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub unsafe fn quantize_q_avx512(q: &[f32], hi: &mut [i8], lo: &mut [i8]) -> [f32; 3] {
+    let d = q.len();
+    if d % W != 0 || hi.len() < d || lo.len() < d {
+        return quantize_q(q, hi, lo);
+    }
+    let abs = |x: __m512| {
+        _mm512_castsi512_ps(_mm512_and_si512(
+            _mm512_castps_si512(x),
+            _mm512_set1_epi32(0x7fff_ffff),
+        ))
+    };
+    let (mut m, mut bad) = (_mm512_setzero_ps(), 0u16);
+    for c in (0..d).step_by(W) {
+        let ax = abs(_mm512_loadu_ps(q.as_ptr().add(c)));
+        // NaN or an infinity: not below infinity
+        bad |= _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(ax, _mm512_set1_ps(f32::INFINITY));
+        m = _mm512_max_ps(m, ax);
+    }
+    let mx = _mm512_reduce_max_ps(m);
+    if bad != 0 || mx == 0.0 {
+        return quantize_q(q, hi, lo);
+    }
+    let inv = _mm512_set1_ps(127.0 / mx);
+    let (lim, nlim, half, k256) = (
+        _mm512_set1_ps(127.0),
+        _mm512_set1_ps(-127.0),
+        _mm512_set1_ps(0.5),
+        _mm512_set1_ps(256.0),
+    );
+    let round = |t: __m512| {
+        let a = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(t);
+        let away = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(abs(_mm512_sub_ps(t, a)), half);
+        // copysign(1, t)
+        let one = _mm512_castsi512_ps(_mm512_or_si512(
+            _mm512_castps_si512(_mm512_set1_ps(1.0)),
+            _mm512_and_si512(_mm512_castps_si512(t), _mm512_set1_epi32(i32::MIN)),
+        ));
+        _mm512_min_ps(
+            _mm512_max_ps(_mm512_mask_add_ps(a, away, a, one), nlim),
+            lim,
+        )
+    };
+    let (mut sh, mut sl) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+    for c in (0..d).step_by(W) {
+        let t = _mm512_mul_ps(_mm512_loadu_ps(q.as_ptr().add(c)), inv);
+        let a = round(t);
+        let b = round(_mm512_mul_ps(_mm512_sub_ps(t, a), k256));
+        let (ai, bi) = (_mm512_cvtps_epi32(a), _mm512_cvtps_epi32(b)); // integers: exact
+        _mm_storeu_si128(
+            hi.as_mut_ptr().add(c) as *mut __m128i,
+            _mm512_cvtepi32_epi8(ai),
+        );
+        _mm_storeu_si128(
+            lo.as_mut_ptr().add(c) as *mut __m128i,
+            _mm512_cvtepi32_epi8(bi),
+        );
+        sh = _mm512_add_epi32(sh, ai);
+        sl = _mm512_add_epi32(sl, bi);
+    }
+    let (ch, cl) = (_mm512_reduce_add_epi32(sh), _mm512_reduce_add_epi32(sl));
+    [mx / 127.0, (128 * ch) as f32, (128 * cl) as f32]
+}
+
 #[inline(always)]
 unsafe fn bcast(p: *const i8, dw: usize) -> __m512i {
     _mm512_set1_epi32((p as *const i32).add(dw).read_unaligned())
@@ -472,6 +544,54 @@ mod tests {
         assert_eq!(ch, 128 * hi.iter().map(|&h| h as i32).sum::<i32>());
         assert_eq!(cl, 128 * lo.iter().map(|&h| h as i32).sum::<i32>());
         assert_eq!(quantize_parts(&[0.0; 64], &mut hi, &mut lo), (0.0, 0, 0));
+    }
+
+    #[test]
+    fn avx512_quantizer_matches_the_scalar_one() {
+        if !crate::has_avx512() {
+            return;
+        }
+        // rows of pseudo-random values, rows whose products land on exact halves (ties: the
+        // largest value 127, so the scale is 1), zeros, a NaN, an infinity, odd lengths
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        for (n, d) in [16usize, 64, 128, 256, 48, 40, 7].iter().enumerate() {
+            let mut x = 0x9e37_79b9u32.wrapping_mul(n as u32 + 1);
+            let mut next = || {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x % 20001) as f32 / 10000.0 - 1.0
+            };
+            rows.push((0..*d).map(|_| next() * 3.7).collect());
+            rows.push((0..*d).map(|_| next() * 1e-30).collect());
+            let mut ties: Vec<f32> = (0..*d)
+                .map(|i| {
+                    (i as f32 - *d as f32 / 2.0) * 0.5 + [0.0, 1.0 / 512.0, -1.0 / 512.0][i % 3]
+                })
+                .collect();
+            ties[0] = 127.0;
+            rows.push(ties);
+            rows.push(vec![0.0; *d]);
+            let mut nan = rows[rows.len() - 4].clone();
+            nan[d / 2] = f32::NAN;
+            rows.push(nan);
+            let mut inf = rows[rows.len() - 5].clone();
+            inf[d - 1] = f32::NEG_INFINITY;
+            rows.push(inf);
+        }
+        for q in &rows {
+            let d = q.len();
+            let (mut h0, mut l0, mut h1, mut l1) =
+                (vec![0i8; d], vec![0i8; d], vec![0i8; d], vec![0i8; d]);
+            let want = quantize_q(q, &mut h0, &mut l0);
+            let got = unsafe { quantize_q_avx512(q, &mut h1, &mut l1) };
+            assert_eq!((h0, l0), (h1, l1), "codes, d {d}");
+            assert_eq!(
+                want.map(f32::to_bits),
+                got.map(f32::to_bits),
+                "meta, d {d}: {want:?} vs {got:?}"
+            );
+        }
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni")]
