@@ -327,7 +327,8 @@ unsafe fn pv_quant<const F: u8, R: Rows>(
     }
 }
 
-/// Prefetch the 16 rows of `row_bytes` from `p`, `c.stride_tok` apart (into L2).
+/// Prefetch the 16 rows of `row_bytes` from `p`, `S` bytes apart (`c.stride_tok` for `S` = 0),
+/// into L2.
 #[inline(always)]
 unsafe fn prefetch_rows<const S: usize>(p: *const u8, c: &Call, row_bytes: usize) {
     let stride = if S != 0 { S } else { c.stride_tok };
