@@ -334,6 +334,7 @@ def test_streams_cut_by_shutdown_end_with_an_error_event_and_done(server):
 
     async def streams():
         async with httpx.AsyncClient(timeout=60) as c:
+            streaming = [asyncio.Event() for _ in range(4)]
 
             async def one(i):
                 lines = []
@@ -343,10 +344,19 @@ def test_streams_cut_by_shutdown_end_with_an_error_event_and_done(server):
                     async for line in r.aiter_lines():
                         if line.startswith("data: "):
                             lines.append(line[6:])
+                            streaming[i].set()
                 return lines
 
             tasks = [asyncio.create_task(one(i)) for i in range(4)]
-            await asyncio.sleep(0.5)
+            # SIGTERM once every stream has its first token (a fixed 0.5 s sleep raced the
+            # server's admission on a loaded 2-core CI machine: a stream got its 503 first)
+            deadline = time.monotonic() + 60
+            while not all(e.is_set() for e in streaming):
+                for t in tasks:
+                    if t.done():
+                        t.result()  # a stream that failed before its first token
+                assert time.monotonic() < deadline, "the streams did not start"
+                await asyncio.sleep(0.01)
             start = time.monotonic()
             os.kill(server.proc.pid, signal.SIGTERM)
             out = await asyncio.gather(*tasks)
