@@ -113,15 +113,9 @@ pub unsafe fn quantize_q_avx512(q: &[f32], hi: &mut [i8], lo: &mut [i8]) -> [f32
     if d % W != 0 || hi.len() < d || lo.len() < d {
         return quantize_q(q, hi, lo);
     }
-    let abs = |x: __m512| {
-        _mm512_castsi512_ps(_mm512_and_si512(
-            _mm512_castps_si512(x),
-            _mm512_set1_epi32(0x7fff_ffff),
-        ))
-    };
     let (mut m, mut bad) = (_mm512_setzero_ps(), 0u16);
     for c in (0..d).step_by(W) {
-        let ax = abs(_mm512_loadu_ps(q.as_ptr().add(c)));
+        let ax = _mm512_abs_ps(_mm512_loadu_ps(q.as_ptr().add(c)));
         // NaN or an infinity: not below infinity
         bad |= _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(ax, _mm512_set1_ps(f32::INFINITY));
         m = _mm512_max_ps(m, ax);
@@ -139,7 +133,7 @@ pub unsafe fn quantize_q_avx512(q: &[f32], hi: &mut [i8], lo: &mut [i8]) -> [f32
     );
     let round = |t: __m512| {
         let a = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(t);
-        let away = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(abs(_mm512_sub_ps(t, a)), half);
+        let away = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_abs_ps(_mm512_sub_ps(t, a)), half);
         // copysign(1, t)
         let one = _mm512_castsi512_ps(_mm512_or_si512(
             _mm512_castps_si512(_mm512_set1_ps(1.0)),
