@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.utils._python_dispatch
 
 from kvcore_kernels.errors import KernelConfigError
 from kvcore_kernels.plan import AttentionMetadata
@@ -81,13 +82,19 @@ _CALL_LINEAR, _CALL_ELEMENTWISE, _CALL_STORE, _CALL_ATTENTION = range(4)
 
 class _Recording:
     """Native calls held back by ``deferred``: their argument records, in order, and whatever
-    their addresses point into (kept alive until the calls have run)."""
+    their addresses point into (kept alive until the calls have run). For ``captured``, also
+    where each attention and store record depends on the step (its metadata, its slots), and
+    whether a ``flush`` ran part of them before the end."""
 
-    __slots__ = ("calls", "keep")
+    __slots__ = ("attention", "calls", "flushed", "keep", "stores")
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, list[int], list[float]]] = []
         self.keep: list[object] = []
+        # (ints, meta, window, num_kv_heads, group, head_dim, alibi, fuse) per attention call
+        self.attention: list[tuple] = []
+        self.stores: list[tuple[list[int], torch.Tensor]] = []  # (ints, int64 slots)
+        self.flushed = False
 
 
 _RECORDING: _Recording | None = None
@@ -141,6 +148,7 @@ def flush() -> None:
         return
     calls, keep = rec.calls, rec.keep
     rec.calls, rec.keep = [], []
+    rec.flushed = True
     try:
         _native.run_calls(calls)
     except ValueError as err:
@@ -151,6 +159,138 @@ def flush() -> None:
 def recording() -> bool:
     """Whether native calls are being recorded (inside ``deferred``)."""
     return _RECORDING is not None
+
+
+class StepGraph:
+    """A step's recorded native calls kept to run again for later steps of the same shape: the
+    CPU's counterpart of a CUDA graph (vLLM's idea of capturing a decode step once and
+    replaying it), made by ``captured``.
+
+    Every address in the records points into tensors the graph keeps (the capture step's
+    intermediates and inputs, the weights, the KV caches), except the step's own arrays:
+    ``replay(meta, slots)`` rewrites those (each attention record's work list, sequence lengths
+    and block table from ``work_for(meta, ...)``, each store record's slots) and runs the list
+    in one crossing, with the same checks as any ``run_calls``. The caller copies the step's
+    inputs into the tensors the capture read them from first, and reads the outputs from the
+    tensors the capture wrote them to; a replay writes exactly what the recorded calls wrote.
+    """
+
+    __slots__ = ("attention", "calls", "keep", "rows", "stores")
+
+    def __init__(self, rec: _Recording, rows: int) -> None:
+        self.calls = rec.calls
+        self.keep = rec.keep
+        self.attention = [(a[0], *a[2:]) for a in rec.attention]
+        self.stores = [ints for ints, _ in rec.stores]
+        self.rows = rows  # the slots a store record writes
+
+    def replay(self, meta: AttentionMetadata, slots: torch.Tensor) -> bool:
+        """Run the calls for the step of ``meta`` and ``slots`` (int64, contiguous, one per
+        row). False, with nothing run, where the step does not fit the records (another row
+        count, an attention call with no work); ``KernelConfigError`` where the native checks
+        refuse a record (nothing run either)."""
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != self.rows:
+            return False
+        threads = torch.get_num_threads()
+        values = []
+        for _ints, window, hk, group, d, alibi, fuse in self.attention:
+            work = work_for(meta, window, hk, group, d, threads, alibi=alibi, fuse=fuse)
+            if len(work.work) == 0:  # ``run`` would not have made the call
+                return False
+            values.append(_step_ints(meta, work))
+        for (ints, *_), vals in zip(self.attention, values, strict=True):
+            for i, v in zip(_STEP_INTS, vals, strict=True):
+                ints[i] = v
+        address = slots.data_ptr()
+        for ints in self.stores:
+            ints[_STORE_SLOTS] = address
+        _bind_openmp()
+        try:
+            _native.run_calls(self.calls)
+        except ValueError as err:
+            raise KernelConfigError(str(err)) from None
+        return True
+
+
+# aten ops that neither read nor write a tensor's values: the only ones a captured block may
+# run besides the recorded native calls (anything else would not be in the replayed list)
+_INERT_OPS = frozenset(
+    f"aten::{name}"
+    for name in (
+        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view",
+        "_unsafe_view", "reshape", "slice", "select", "narrow", "unsqueeze", "squeeze",
+        "t", "transpose", "permute", "as_strided", "expand", "alias", "detach", "split",
+        "split_with_sizes", "unbind", "chunk", "unflatten", "flatten",
+    )
+)  # fmt: skip
+
+
+class _InertOnly(torch.utils._python_dispatch.TorchDispatchMode):
+    """Notes every aten op outside ``_INERT_OPS`` that runs while a block is captured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.foreign: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func._schema.name not in _INERT_OPS:
+            self.foreign.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+class Capture:
+    """What ``captured`` yields: after the block, ``graph`` is its ``StepGraph``, or None with
+    ``why`` saying what kept the block from being replayable."""
+
+    __slots__ = ("graph", "why")
+
+    def __init__(self) -> None:
+        self.graph: StepGraph | None = None
+        self.why = "not finished"
+
+
+@contextlib.contextmanager
+def captured(meta: AttentionMetadata, slots: torch.Tensor) -> Iterator[Capture]:
+    """``deferred``, keeping the recording as a ``StepGraph`` where it can be replayed for a
+    later step: every native call of the block was recorded (no ``flush`` ran part of them
+    early), no torch op other than allocations and views ran (``_INERT_OPS``: a torch op's
+    work would be missing from the replay), every attention call used ``meta`` and every
+    store ``slots`` (int64; the step's own, so a replay can put another step's in their
+    place). Outside these conditions ``graph`` stays None and the block has run as under
+    ``deferred``. Not nested inside ``deferred``."""
+    global _RECORDING
+    cap = Capture()
+    if _RECORDING is not None or _native is None:
+        cap.why = "inside deferred" if _native is not None else "no extension"
+        yield cap
+        return
+    rec = _RECORDING = _Recording()
+    guard = _InertOnly()
+    try:
+        with guard:
+            yield cap
+    except BaseException:
+        _RECORDING = None
+        raise
+    _RECORDING = None
+    if rec.flushed:
+        cap.why = "a flush ran recorded calls inside the block"
+    elif guard.foreign:
+        cap.why = f"torch ran {sorted(set(guard.foreign))} inside the block"
+    elif not rec.calls:
+        cap.why = "no native call"
+    elif any(a[1] is not meta for a in rec.attention):
+        cap.why = "an attention call used other metadata"
+    elif any(not torch.equal(s, slots) for _, s in rec.stores):
+        cap.why = "a store used other slots"
+    else:
+        cap.graph = StepGraph(rec, slots.numel())
+        cap.why = ""
+    try:
+        _native.run_calls(rec.calls)
+    except ValueError as err:
+        cap.graph = None
+        raise KernelConfigError(str(err)) from None
 
 
 def _call(op: int, ints: list[int], floats: list[float], keep: object) -> None:
@@ -197,6 +337,15 @@ class Options:
 
 
 OPTIONS = Options()
+
+
+def options_key() -> tuple:
+    """``OPTIONS`` as a tuple: what a recorded call's codes depend on besides its arguments (a
+    ``StepGraph`` is kept per value)."""
+    o = OPTIONS
+    return (o.mode, o.portable, o.isa, o.split_keys, o.fuse_heads, o.cascade, o.tall)
+
+
 # the extension's ISA_BEST / _PORTABLE / _AVX2 / _NO_VNNI / _NO_AMX
 ISA_CODES = {
     "auto": 0, "portable": 1, "avx2": 2, "novnni": 3, "noamx": 4, "noseg": 5, "nodec": 6,
@@ -519,19 +668,37 @@ def run(
         out.data_ptr(), out.stride(0), out.stride(1), DTYPE_CODES[query.dtype],
         kv_ptr, fmt, *strides[:3], strides[3], scale_offset,
         hq, num_kv_heads, d, meta.block_size,
-        work.qsl.ctypes.data, work.seq_lens.ctypes.data, work.table.ctypes.data,
-        work.table.shape[1], int(sliding_window or 0),
+        0, 0, 0, 0, int(sliding_window or 0),  # the step's arrays: _STEP_INTS below
         0 if alibi_slopes is None else alibi_slopes.data_ptr(),
         0 if fp8_scale is None else fp8_scale.data_ptr(),
         0 if q_rotation is None else q_rotation.data_ptr(),
-        int(bool(meta.num_released)),
-        work.work.ctypes.data, len(work.work), work.merges.ctypes.data, len(work.merges),
-        work.partial.data_ptr(), work.max_rows,
+        0, 0, 0, 0, 0, 0, 0,
         threads, MODES[OPTIONS.mode], _isa(), int(fuse),
     ]  # fmt: skip
+    for i, v in zip(_STEP_INTS, _step_ints(meta, work), strict=True):
+        ints[i] = v
     keep = (query, out, work, alibi_slopes, fp8_scale, q_rotation)
     _call(_CALL_ATTENTION, ints, [float(scale), float(soft_cap or 0.0)], keep)
+    if _RECORDING is not None:  # where a replay (``StepGraph``) patches in its step's arrays
+        _RECORDING.attention.append(
+            (ints, meta, sliding_window, num_kv_heads, hq // num_kv_heads, d,
+             alibi_slopes is not None, fuse)
+        )  # fmt: skip
     return out
+
+
+# The attention record's ints that come from the step (its metadata and work list), in the
+# order ``_step_ints`` gives them: ``run`` writes them, ``StepGraph.replay`` rewrites them.
+_STEP_INTS = (18, 19, 20, 21, 26, 27, 28, 29, 30, 31, 32)
+
+
+def _step_ints(meta: AttentionMetadata, work: NativeWork) -> tuple[int, ...]:
+    return (
+        work.qsl.ctypes.data, work.seq_lens.ctypes.data, work.table.ctypes.data,
+        work.table.shape[1], int(bool(meta.num_released)),
+        work.work.ctypes.data, len(work.work), work.merges.ctypes.data, len(work.merges),
+        work.partial.data_ptr(), work.max_rows,
+    )  # fmt: skip
 
 
 def store(
@@ -562,7 +729,12 @@ def store(
         _call(_CALL_STORE, ints, [], (key, value, kv_cache, slots))
     except ValueError as err:
         raise KernelConfigError(str(err)) from None
+    if _RECORDING is not None:  # ints[_STORE_SLOTS]: what a replay (``StepGraph``) patches
+        _RECORDING.stores.append((ints, slots))
     return True
+
+
+_STORE_SLOTS = 11  # the store record's int holding the slots' address
 
 
 def elementwise(

@@ -41,6 +41,7 @@ from kvcore.models.layers.attention import Attention, StepAttention
 from kvcore.models.layers.linear import Linear, MergedLinear, gate_up_act
 from kvcore.models.layers.norm import RMSNorm
 from kvcore.models.layers.rotary import Rotary, apply_rotary, rotary_from
+from kvcore.models.step_graphs import StepGraphs
 from kvcore.models.windows import layer_windows
 
 # checkpoint projection -> (fused parameter, shard): vLLM's stacked_params_mapping
@@ -177,6 +178,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i) for i in range(num_layers))
         self.norm = RMSNorm(spec.hidden, spec.eps)
         self.rotary = rotary
+        self.graphs = StepGraphs()  # decode steps' recorded native calls (CPU)
 
     def forward(
         self,
@@ -194,10 +196,15 @@ class LlamaModel(nn.Module):
             if i == 1 and last > 1 and self._defer(h, step):
                 # The middle layers' native calls recorded and run in one crossing (the
                 # first layer ran them one by one, resolving the step's checks; the last one
-                # reads with torch, its kept rows): docs/engine.md, "Deferred native calls"
-                with cpu_native.deferred():
+                # reads with torch, its kept rows): docs/engine.md, "Deferred native calls";
+                # or replayed from an earlier step's record (step_graphs: the same calls, the
+                # step's inputs and metadata patched in)
+                def middle(h, res, cos, sin):  # type: ignore[no-untyped-def]
                     for mid in self.layers[1:last]:
                         h, res = mid(h, res, cos, sin, step)
+                    return h, res
+
+                h, res = self.graphs.run(step, (h, res, cos, sin), middle)
                 return self.layers[last](h, res, cos, sin, step, keep)
             h, res = layer(h, res, cos, sin, step, keep if i == last else None)
         return h, res

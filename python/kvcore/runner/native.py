@@ -41,6 +41,30 @@ class NativeStep:
         (``cpu_native.deferred``)."""
         return self.calls is not None and not self.ctx.use_op and self.calls.fast
 
+    def replay_key(self) -> tuple | None:
+        """Where the layers' calls can be replayed from a recording
+        (``kvcore.models.step_graphs``): the identity of the caches they write (a recording
+        holds them, so an id is not reused while it lives); None where a layer could take
+        another path than the native store and kernel with the step's one metadata and slots
+        (KV groups, H2O's mass, probes, the op path, no geometry resolved to the kernel yet)."""
+        ctx = self.ctx
+        if (
+            not self.native_calls
+            or ctx.layer_group is not None
+            or ctx.block_mass is not None
+            or ctx.probes is not None
+        ):
+            return None
+        return tuple(map(id, ctx.kv_caches))
+
+    def replay_args(self) -> tuple[object, torch.Tensor]:
+        """The step's metadata and its slots as the native store reads them (int64,
+        contiguous): what ``cpu_native.StepGraph.replay`` patches into a recording."""
+        slots = self.ctx.slot_mapping
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            slots = slots.to(torch.int64).contiguous()
+        return self.ctx.meta, slots
+
     def __call__(
         self,
         layer_idx: int,
