@@ -137,3 +137,33 @@ def test_a_replay_the_checks_refuse_runs_nothing():
     assert torch.all(y == 7) and torch.all(cache == 0)
     assert cap.graph.replay(None, torch.tensor([5]))  # slot 5: block 1, offset 1
     assert torch.all(cache[1, :, 1] == 1) and cache.sum() == 2 * 32 and not torch.all(y == 7)
+
+
+class _Step:
+    """The two methods ``StepGraphs`` asks of a step (``kvcore.runner.native.NativeStep``'s):
+    here no attention and no store, so no metadata and no slots."""
+
+    def replay_key(self):
+        return ("caches",)
+
+    def replay_args(self):
+        return None, NO_SLOTS
+
+
+def test_graphs_replay_only_the_body_they_captured(monkeypatch):
+    monkeypatch.setenv("KVCORE_STEP_GRAPHS", "1")
+    x, a = _packed(seed=1)
+    _, b = _packed(seed=2)
+    graphs, step = step_graphs.StepGraphs(), _Step()
+    want_a, want_b = linear_cpu.linear(x, a), linear_cpu.linear(x, b)
+    for _ in range(3):  # recorded, captured, replayed
+        (got,) = graphs.run(step, (x,), lambda x: (linear_cpu.linear(x, a),), tag="a")
+        assert torch.equal(got, want_a)
+    assert (graphs.captures, graphs.replays) == (1, 1)
+    for _ in range(3):  # another body, the same inputs: its own key
+        (got,) = graphs.run(step, (x,), lambda x: (linear_cpu.linear(x, b),), tag="b")
+        assert torch.equal(got, want_b)
+    assert (graphs.captures, graphs.replays) == (2, 2)
+    x2 = torch.randn(5, 64).bfloat16()
+    (got,) = graphs.run(step, (x2,), lambda x: (linear_cpu.linear(x, a),), tag="a")
+    assert torch.equal(got, linear_cpu.linear(x2, a)) and graphs.replays == 3

@@ -36,8 +36,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--workload", choices=("random", "shared", "short"), default="random",
-                    help="short: prompts of 16 random token ids, so decode steps dominate")
+    ap.add_argument(
+        "--workload",
+        choices=("random", "shared", "short"),
+        default="random",
+        help="short: prompts of 16 random token ids, so decode steps dominate",
+    )
     ap.add_argument("--model-dir", default=None, help="default: the embedded SmolLM2")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -489,6 +489,9 @@ class NativeWork:
     seq_lens: np.ndarray
     table: np.ndarray
     cascade_requests: int = 0  # decode requests whose shared prefix a cascade item reads
+    # ``_step_ints`` of this work (its metadata's, which it is cached in): made once, read by
+    # every layer's call (numpy's ``ctypes.data`` builds an object per read)
+    step_ints: tuple[int, ...] | None = None
 
 
 def work_for(
@@ -693,12 +696,15 @@ _STEP_INTS = (18, 19, 20, 21, 26, 27, 28, 29, 30, 31, 32)
 
 
 def _step_ints(meta: AttentionMetadata, work: NativeWork) -> tuple[int, ...]:
-    return (
-        work.qsl.ctypes.data, work.seq_lens.ctypes.data, work.table.ctypes.data,
-        work.table.shape[1], int(bool(meta.num_released)),
-        work.work.ctypes.data, len(work.work), work.merges.ctypes.data, len(work.merges),
-        work.partial.data_ptr(), work.max_rows,
-    )  # fmt: skip
+    ints = work.step_ints
+    if ints is None:  # a work list belongs to one metadata (``work_for`` caches it there)
+        ints = work.step_ints = (
+            work.qsl.ctypes.data, work.seq_lens.ctypes.data, work.table.ctypes.data,
+            work.table.shape[1], int(bool(meta.num_released)),
+            work.work.ctypes.data, len(work.work), work.merges.ctypes.data, len(work.merges),
+            work.partial.data_ptr(), work.max_rows,
+        )  # fmt: skip
+    return ints
 
 
 def store(

@@ -179,6 +179,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(spec.hidden, spec.eps)
         self.rotary = rotary
         self.graphs = StepGraphs()  # decode steps' recorded native calls (CPU)
+        self._arange: torch.Tensor | None = None
 
     def forward(
         self,
@@ -198,16 +199,27 @@ class LlamaModel(nn.Module):
                 # first layer ran them one by one, resolving the step's checks; the last one
                 # reads with torch, its kept rows): docs/engine.md, "Deferred native calls";
                 # or replayed from an earlier step's record (step_graphs: the same calls, the
-                # step's inputs and metadata patched in)
-                def middle(h, res, cos, sin):  # type: ignore[no-untyped-def]
-                    for mid in self.layers[1:last]:
+                # step's inputs and metadata patched in). Where every row is sampled (a
+                # decode step), the last layer has no rows to drop and goes with them.
+                every = keep.shape[0] == h.shape[0] and torch.equal(keep, self._rows(h))
+                upto = last + 1 if every else last
+
+                def middle(h, res, cos, sin, layers=self.layers[1:upto]):  # type: ignore[no-untyped-def]
+                    for mid in layers:
                         h, res = mid(h, res, cos, sin, step)
                     return h, res
 
-                h, res = self.graphs.run(step, (h, res, cos, sin), middle)
-                return self.layers[last](h, res, cos, sin, step, keep)
+                h, res = self.graphs.run(step, (h, res, cos, sin), middle, tag=upto)
+                return (h, res) if every else self.layers[last](h, res, cos, sin, step, keep)
             h, res = layer(h, res, cos, sin, step, keep if i == last else None)
         return h, res
+
+    def _rows(self, h: torch.Tensor) -> torch.Tensor:
+        """``arange(len(h))`` (int64), cached: what ``keep`` is when every row is sampled."""
+        rows = self._arange
+        if rows is None or rows.shape[0] < h.shape[0]:
+            rows = self._arange = torch.arange(max(h.shape[0], 64))
+        return rows[: h.shape[0]]
 
     @staticmethod
     def _defer(h: torch.Tensor, step: StepAttention) -> bool:

@@ -68,8 +68,12 @@ class StepGraphs:
         self._last = None
         self._refused.clear()
 
-    def run(self, step: Any, inputs: Tensors, body: Callable[..., Tensors]) -> Tensors:
-        key = self._key(step, inputs)
+    def run(
+        self, step: Any, inputs: Tensors, body: Callable[..., Tensors], tag: Hashable = None
+    ) -> Tensors:
+        """``tag``: what ``body`` computes, where a caller has several bodies (here: the
+        layers it runs)."""
+        key = self._key(step, inputs, tag)
         if key is None:
             with cpu_native.deferred():
                 return body(*inputs)
@@ -109,7 +113,7 @@ class StepGraphs:
         return outputs
 
     @staticmethod
-    def _key(step: Any, inputs: Tensors) -> tuple | None:
+    def _key(step: Any, inputs: Tensors, tag: Hashable) -> tuple | None:
         if not enabled() or torch.compiler.is_compiling():
             return None
         replay_key = getattr(step, "replay_key", None)
@@ -119,5 +123,5 @@ class StepGraphs:
         h = inputs[0]
         return (
             h.shape[0], h.dtype, torch.get_num_threads(), cpu_native.options_key(),
-            tuple((t.shape, t.dtype, t.stride()) for t in inputs), own,
+            tuple((t.shape, t.dtype, t.stride()) for t in inputs), tag, own,
         )  # fmt: skip
