@@ -65,17 +65,44 @@ def test_replay_under_preemption_and_prefix_hits(monkeypatch):
     assert got == want
 
 
-def test_graphs_keep_to_their_row_cap(monkeypatch):
+def test_graphs_keep_to_their_caps(monkeypatch):
     monkeypatch.setattr(step_graphs, "MAX_GRAPHS", 2)
     model = tiny_llama(seed=3, dtype=torch.bfloat16, **SHAPE)
     graphs, got, _ = _generate(model, _prompts(), monkeypatch, True)
-    assert 0 < len(graphs._graphs) <= 2
-    graphs.max_rows = 0  # no graph fits: every step records
-    graphs.clear()
-    before = graphs.replays
-    model.graphs = graphs
+    assert graphs.replays > 0 and 0 < len(graphs._graphs) <= 2
     _, want, _ = _generate(model, _prompts(), monkeypatch, False)
-    assert got == want and graphs.replays == before
+    assert got == want
+    monkeypatch.setattr(step_graphs, "MAX_ROWS", 0)  # no graph fits: every step records
+    graphs, got, _ = _generate(model, _prompts(), monkeypatch, True)
+    assert graphs.captures == graphs.replays == 0 and not graphs._graphs
+    assert got == want
+
+
+@pytest.mark.parametrize("case", ["splits", "cascade"])
+def test_replay_patches_splits_merges_and_cascade_items(monkeypatch, case):
+    """The step fields a replay patches beyond the work list: key ranges split into runs of
+    16 keys (merges, their count, the partial buffer, its rows), and decode requests over a
+    shared 64-token prefix (cascade items and their merges)."""
+    if case == "splits":
+        monkeypatch.setattr(cpu_native.OPTIONS, "split_keys", 16)
+        prompts = _prompts()
+    else:
+        shared = list(range(10, 90))  # 80 tokens: cascade items (MIN_CASCADE_KEYS = 64)
+        prompts = [shared + p[:6] for p in _prompts(6, seed=2)]
+    replayed_merges = []
+    replay = cpu_native.StepGraph.replay
+
+    def counting(self, meta, slots):
+        ran = replay(self, meta, slots)
+        replayed_merges.extend(ints[30] for ints, *_ in self.attention if ran)
+        return ran
+
+    monkeypatch.setattr(cpu_native.StepGraph, "replay", counting)
+    model = tiny_llama(seed=7, dtype=torch.bfloat16, **SHAPE)
+    graphs, got, _ = _generate(model, prompts, monkeypatch, True, num_blocks=128)
+    assert graphs.replays > 0 and max(replayed_merges) > 0  # replays that merged partials
+    _, want, _ = _generate(model, prompts, monkeypatch, False, num_blocks=128)
+    assert got == want
 
 
 def _packed(k=64, n=32, seed=0):

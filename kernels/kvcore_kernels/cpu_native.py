@@ -43,6 +43,7 @@ import ctypes
 import functools
 import importlib
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -86,9 +87,10 @@ class _Recording:
     where each attention and store record depends on the step (its metadata, its slots), and
     whether a ``flush`` ran part of them before the end."""
 
-    __slots__ = ("attention", "calls", "flushed", "keep", "stores")
+    __slots__ = ("attention", "calls", "flushed", "keep", "owner", "stores")
 
     def __init__(self) -> None:
+        self.owner = threading.get_ident()  # other threads' calls run at once, unrecorded
         self.calls: list[tuple[int, list[int], list[float]]] = []
         self.keep: list[object] = []
         # (ints, meta, window, num_kv_heads, group, head_dim, alibi, fuse) per attention call
@@ -98,6 +100,14 @@ class _Recording:
 
 
 _RECORDING: _Recording | None = None
+
+
+def _rec() -> _Recording | None:
+    """The recording this thread's native calls go to (None: they run at once)."""
+    rec = _RECORDING
+    return rec if rec is not None and rec.owner == threading.get_ident() else None
+
+
 # Steps of up to this many rows defer their layers' calls (``deferred``): the recorded calls
 # keep every intermediate alive until they run: ~8.4 KB per row per layer of SmolLM2 (bf16
 # qkv, attention, o_proj, gated gate-up and down outputs), ~60 MB for 256 rows x 28 layers.
@@ -143,7 +153,7 @@ def flush() -> None:
     """Run the calls ``deferred`` has recorded so far (no-op outside it or with none). A record
     its single call would refuse (a bad code, a slot past the cache) raises
     ``KernelConfigError`` with none of them run."""
-    rec = _RECORDING
+    rec = _rec()
     if rec is None or not rec.calls:
         return
     calls, keep = rec.calls, rec.keep
@@ -157,8 +167,8 @@ def flush() -> None:
 
 
 def recording() -> bool:
-    """Whether native calls are being recorded (inside ``deferred``)."""
-    return _RECORDING is not None
+    """Whether this thread's native calls are being recorded (inside ``deferred``)."""
+    return _rec() is not None
 
 
 class StepGraph:
@@ -178,6 +188,10 @@ class StepGraph:
     __slots__ = ("attention", "calls", "keep", "rows", "stores")
 
     def __init__(self, rec: _Recording, rows: int) -> None:
+        for ints, *_ in rec.attention:  # the positions ``replay`` rewrites are these records'
+            assert len(ints) == _ATTENTION_INTS, len(ints)
+        for ints, _ in rec.stores:
+            assert len(ints) == _STORE_INTS, len(ints)
         self.calls = rec.calls
         self.keep = rec.keep
         self.attention = [(a[0], *a[2:]) for a in rec.attention]
@@ -296,9 +310,10 @@ def captured(meta: AttentionMetadata, slots: torch.Tensor) -> Iterator[Capture]:
 def _call(op: int, ints: list[int], floats: list[float], keep: object) -> None:
     """One native call: recorded inside ``deferred``, else made now (a ``run_calls`` of one,
     the same checks and kernels)."""
-    if _RECORDING is not None:
-        _RECORDING.calls.append((op, ints, floats))
-        _RECORDING.keep.append(keep)
+    rec = _rec()
+    if rec is not None:
+        rec.calls.append((op, ints, floats))
+        rec.keep.append(keep)
     else:
         _native.run_calls([(op, ints, floats)])
 
@@ -682,8 +697,9 @@ def run(
         ints[i] = v
     keep = (query, out, work, alibi_slopes, fp8_scale, q_rotation)
     _call(_CALL_ATTENTION, ints, [float(scale), float(soft_cap or 0.0)], keep)
-    if _RECORDING is not None:  # where a replay (``StepGraph``) patches in its step's arrays
-        _RECORDING.attention.append(
+    rec = _rec()
+    if rec is not None:  # where a replay (``StepGraph``) patches in its step's arrays
+        rec.attention.append(
             (ints, meta, sliding_window, num_kv_heads, hq // num_kv_heads, d,
              alibi_slopes is not None, fuse)
         )  # fmt: skip
@@ -735,12 +751,14 @@ def store(
         _call(_CALL_STORE, ints, [], (key, value, kv_cache, slots))
     except ValueError as err:
         raise KernelConfigError(str(err)) from None
-    if _RECORDING is not None:  # ints[_STORE_SLOTS]: what a replay (``StepGraph``) patches
-        _RECORDING.stores.append((ints, slots))
+    rec = _rec()
+    if rec is not None:  # ints[_STORE_SLOTS]: what a replay (``StepGraph``) patches
+        rec.stores.append((ints, slots))
     return True
 
 
 _STORE_SLOTS = 11  # the store record's int holding the slots' address
+_STORE_INTS, _ATTENTION_INTS = 13, 37  # ints per record (``run_calls`` checks the same counts)
 
 
 def elementwise(

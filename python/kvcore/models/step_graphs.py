@@ -55,8 +55,8 @@ class StepGraphs:
     outputs, computed by replay where a graph fits, else by ``body`` under
     ``cpu_native.deferred`` (capturing it where the key repeats)."""
 
-    def __init__(self, max_rows: int = MAX_ROWS):
-        self.max_rows = max_rows
+    def __init__(self, max_rows: int | None = None):
+        self.max_rows = MAX_ROWS if max_rows is None else max_rows
         self._graphs: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._last: Hashable | None = None  # the key of the step before
         self._refused: set[Hashable] = set()  # keys whose capture was refused
@@ -88,7 +88,7 @@ class StepGraphs:
                 self._last = key
                 return entry.outputs
             del self._graphs[key]  # a step that does not fit it: record this one
-        if key != self._last or key in self._refused:
+        if key != self._last or key in self._refused or key[0] > self.max_rows:
             self._last = key
             with cpu_native.deferred():
                 return body(*inputs)
@@ -108,8 +108,6 @@ class StepGraphs:
             len(self._graphs) > MAX_GRAPHS or sum(k[0] for k in self._graphs) > self.max_rows
         ):
             self._graphs.popitem(last=False)  # least recently used first
-        if key[0] > self.max_rows:
-            del self._graphs[key]
         return outputs
 
     @staticmethod
