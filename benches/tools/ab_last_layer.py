@@ -12,17 +12,14 @@ equal.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from bench_vs_vllm_cpu import workload  # noqa: E402
-from kvcore.entrypoints.llm import LLM  # noqa: E402
+from inproc_ab import engine, parser, summarize, timed_generate  # noqa: E402
 from kvcore.models import llama  # noqa: E402
 from kvcore.params import SamplingParams  # noqa: E402
 
@@ -36,20 +33,9 @@ def full_forward(self, input_ids, positions, step, keep):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--model-dir", default=None, help="default: the embedded SmolLM2")
+    ap = parser()
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    kw = {"model": args.model_dir} if args.model_dir else {}
-    llm = LLM(**kw, dtype="bfloat16", num_blocks=4096, max_num_batched_tokens=2048,
-              enforce_eager=True)  # fmt: skip
-    if llm.engine.runner.model_impl != "kvcore":
-        raise SystemExit("the cut is in kvcore's model code; this model runs transformers'")
+    llm = engine(args)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate([[5] * 40, [6] * 300], params, use_tqdm=False)
     walls: dict[str, list[float]] = {"full": [], "cut": []}
@@ -59,22 +45,12 @@ def main() -> None:
             prompts = workload("random", seed, args.requests)
             for name in ("full", "cut") if (rnd + seed) % 2 == 0 else ("cut", "full"):
                 llama.LlamaModel.forward = full_forward if name == "full" else CUT
-                t0 = time.perf_counter()
-                salt = f"{rnd}/{seed}/{name}"
-                res = llm.generate(prompts, params, use_tqdm=False, cache_salt=salt)
-                wall = time.perf_counter() - t0
+                wall, res = timed_generate(llm, prompts, params, f"{rnd}/{seed}/{name}")
                 walls[name].append(wall)
                 outs.setdefault(f"{seed}/{name}", [list(o.outputs[0].token_ids) for o in res])
                 print(f"round {rnd} seed {seed} {name}: {wall:6.2f} s", flush=True)
     llama.LlamaModel.forward = CUT
-    full, cut = statistics.median(walls["full"]), statistics.median(walls["cut"])
-    won = sum(c < f for f, c in zip(walls["full"], walls["cut"], strict=True))
-    print(f"median full {full:.2f} s, cut {cut:.2f} s, cut / full {cut / full:.4f}; "
-          f"cut faster in {won}/{len(walls['cut'])} pairs")  # fmt: skip
-    for seed in args.seeds:
-        a, b = outs[f"{seed}/full"], outs[f"{seed}/cut"]
-        same = sum(x == y for x, y in zip(a, b, strict=True))
-        print(f"seed {seed}: {same}/{len(a)} sequences equal")
+    summarize(walls, outs, args.seeds, "full", "cut")
 
 
 if __name__ == "__main__":

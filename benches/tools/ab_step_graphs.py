@@ -13,45 +13,29 @@ equal.
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 from bench_vs_vllm_cpu import workload  # noqa: E402
-from kvcore.entrypoints.llm import LLM  # noqa: E402
+from inproc_ab import engine, parser, summarize, timed_generate  # noqa: E402
 from kvcore.params import SamplingParams  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap = parser()
     ap.add_argument(
         "--workload",
         choices=("random", "shared", "short"),
         default="random",
         help="short: prompts of 16 random token ids, so decode steps dominate",
     )
-    ap.add_argument("--model-dir", default=None, help="default: the embedded SmolLM2")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    kw = {"model": args.model_dir} if args.model_dir else {}
-    llm = LLM(**kw, dtype="bfloat16", num_blocks=4096, max_num_batched_tokens=2048,
-              enforce_eager=True)  # fmt: skip
-    runner = llm.engine.runner
-    if runner.model_impl != "kvcore":
-        raise SystemExit("step graphs are in kvcore's model code; this model runs transformers'")
-    graphs = runner.native.model.graphs
+    llm = engine(args)
+    graphs = llm.engine.runner.native.model.graphs
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=1)
     llm.generate([[5] * 40, [6] * 300], params, use_tqdm=False)
     walls: dict[str, list[float]] = {"record": [], "replay": []}
@@ -68,10 +52,7 @@ def main() -> None:
                 os.environ["KVCORE_STEP_GRAPHS"] = "1" if name == "replay" else "0"
                 graphs.clear()
                 replays, captures = graphs.replays, graphs.captures
-                t0 = time.perf_counter()
-                salt = f"{rnd}/{seed}/{name}"
-                res = llm.generate(prompts, params, use_tqdm=False, cache_salt=salt)
-                wall = time.perf_counter() - t0
+                wall, res = timed_generate(llm, prompts, params, f"{rnd}/{seed}/{name}")
                 walls[name].append(wall)
                 outs.setdefault(f"{seed}/{name}", [
                     (list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in res
@@ -79,14 +60,7 @@ def main() -> None:
                 n_rep, n_cap = graphs.replays - replays, graphs.captures - captures
                 counts = f"replays {n_rep}, captures {n_cap}"
                 print(f"round {rnd} seed {seed} {name}: {wall:6.2f} s ({counts})", flush=True)
-    rec, rep = statistics.median(walls["record"]), statistics.median(walls["replay"])
-    won = sum(b < a for a, b in zip(walls["record"], walls["replay"], strict=True))
-    print(f"median record {rec:.2f} s, replay {rep:.2f} s, record / replay {rec / rep:.4f}; "
-          f"replay faster in {won}/{len(walls['replay'])} pairs")  # fmt: skip
-    for seed in args.seeds:
-        a, b = outs[f"{seed}/record"], outs[f"{seed}/replay"]
-        same = sum(x == y for x, y in zip(a, b, strict=True))
-        print(f"seed {seed}: {same}/{len(a)} sequences equal (tokens and log-probabilities)")
+    summarize(walls, outs, args.seeds, "record", "replay")  # outputs: tokens and log-probs
 
 
 if __name__ == "__main__":
