@@ -1,4 +1,4 @@
-"""A decode step's middle layers replayed from their recorded native calls (CPU, eager).
+"""A small step's layers after the first replayed from their recorded native calls (CPU, eager).
 
 Under ``cpu_native.deferred`` the middle layers of a small step record their native calls and
 run them in one crossing (docs/engine.md, "Deferred native calls"); building those records is
@@ -9,6 +9,8 @@ CUDA graph does for a GPU step (vLLM captures one per batch size), ``StepGraphs`
 record of one step per row count (``cpu_native.captured``) and runs it again
 (``StepGraph.replay``): the inputs copied into the tensors the capture read, the step's arrays
 patched into the attention and store records, one ``run_calls``. No Python of the layers runs.
+The caller names what its body computes (``tag``): ``LlamaModel`` replays layers 1 to the last
+where every row is sampled (decode steps), else the middle layers only.
 
 A row count is captured on its second step in a row (a batch that changes every step keeps
 recording as before), and only where the step's ``replay_key()`` says its layers all go straight
