@@ -206,12 +206,16 @@ class StepGraph:
         if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != self.rows:
             return False
         threads = torch.get_num_threads()
-        values = []
-        for _ints, window, hk, group, d, alibi, fuse in self.attention:
-            work = work_for(meta, window, hk, group, d, threads, alibi=alibi, fuse=fuse)
-            if len(work.work) == 0:  # ``run`` would not have made the call
-                return False
-            values.append(_step_ints(meta, work))
+        values, by_config = [], {}  # layers of one configuration share a work list
+        for _ints, *config in self.attention:
+            vals = by_config.get(tuple(config))
+            if vals is None:
+                window, hk, group, d, alibi, fuse = config
+                work = work_for(meta, window, hk, group, d, threads, alibi=alibi, fuse=fuse)
+                if len(work.work) == 0:  # ``run`` would not have made the call
+                    return False
+                vals = by_config[tuple(config)] = _step_ints(meta, work)
+            values.append(vals)
         for (ints, *_), vals in zip(self.attention, values, strict=True):
             for i, v in zip(_STEP_INTS, vals, strict=True):
                 ints[i] = v
